@@ -1,0 +1,11 @@
+"""dualkv_compile: compute each shared prompt once in GRPO/DAPO policy updates.
+
+Importing this package must not initialise CUDA (tests/test_import.py checks it).
+"""
+
+from .attention import shared_prefix_attention
+from .packing import PackedBatch, pack
+
+__version__ = "0.1.0"
+
+__all__ = ["PackedBatch", "pack", "shared_prefix_attention", "__version__"]

@@ -1,0 +1,99 @@
+"""shared_prefix_attention: the one attention op of the packed layout.
+
+CUDA: flex_attention, compiled once per process, with the BlockMask of the PackedBatch (built
+once, cached on it) and the architecture's validated kernel options. Dynamo's recompile limit
+is raised deliberately for this call and made fatal: past it Dynamo would silently run eager
+flex, which materialises [T, T] scores.
+CPU (and any non-CUDA device): the SDPA reference, which supports backward; the public
+flex_attention refuses backward on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from .block_mask import shared_prefix_block_mask
+from .kernel_options import kernel_options_for
+from .packing import PackedBatch
+from .reference import reference_shared_prefix_attention
+
+__all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
+
+log = logging.getLogger(__name__)
+
+# Each length bucket, options set or requires_grad flip is one compile of flex_attention.
+RECOMPILE_LIMIT = 64
+
+_compiled_flex = None
+
+
+def _flex():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, fullgraph=True)
+    return _compiled_flex
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch) -> None:
+    if not isinstance(packed, PackedBatch):
+        raise TypeError(f"packed must be a PackedBatch from dualkv_compile.pack, got {type(packed)}")
+    t = packed.seq_len
+    if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != t:
+        raise ValueError(f"q must be [1, Hq, T={t}, D], got {tuple(q.shape)}")
+    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != 1 or k.shape[2] != t:
+        raise ValueError(
+            f"k and v must both be [1, Hkv, T={t}, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"head dims differ: q has D={q.shape[3]}, k/v have D={k.shape[3]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"Hkv={k.shape[1]} must divide Hq={q.shape[1]} (GQA)")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def _flex_attention(q, k, v, packed, scale, kernel_options):
+    block_mask = shared_prefix_block_mask(packed, q.device)
+    options = kernel_options_for(q.device, kernel_options)
+    gqa = q.shape[1] != k.shape[1]
+    if torch.compiler.is_compiling():  # traced into an outer graph: the HOP is captured there
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                              kernel_options=options)
+    with torch._dynamo.config.patch(
+        recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True
+    ):
+        return _flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                       kernel_options=options)
+
+
+def shared_prefix_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    packed: PackedBatch,
+    *,
+    scale: float | None = None,
+    kernel_options: dict[str, object] | None = None,
+) -> Tensor:
+    """Causal attention of the packed batch, equal to causal SDPA on the replicated rows.
+
+    q [1, Hq, T, D], k/v [1, Hkv, T, D] (Hkv divides Hq) -> [1, Hq, T, D]. A query sees earlier
+    keys of its own segment and, for response tokens, its group's whole prompt. `scale`
+    defaults to 1/sqrt(D). `kernel_options` override the architecture's table entry (CUDA only;
+    validated, unknown keys raise).
+    """
+    _check(q, k, v, packed)
+    if q.device.type == "cuda":
+        return _flex_attention(q, k, v, packed, scale, kernel_options)
+    if kernel_options:
+        raise ValueError(
+            f"kernel_options={kernel_options!r} apply to the CUDA kernel only; q is on {q.device}"
+        )
+    return reference_shared_prefix_attention(q, k, v, packed, scale=scale)

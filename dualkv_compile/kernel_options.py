@@ -1,0 +1,82 @@
+"""FlexAttention kernel options per GPU architecture, validated before they reach Inductor.
+
+Inductor silently ignores unknown keys, so a typo would quietly run the default kernel. Every
+options dict that this package passes to flex_attention goes through `validate_kernel_options`.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import torch
+
+__all__ = ["KERNEL_OPTIONS_BY_ARCH", "kernel_options_for", "validate_kernel_options"]
+
+# (major, minor) compute capability -> options. Tuned entries come from tools/ (issue #4); an
+# architecture without an entry runs Inductor's defaults.
+KERNEL_OPTIONS_BY_ARCH: dict[tuple[int, int], dict[str, object]] = {
+    # sm_90 (H100/H200): Inductor's defaults until the tuning script of issue #4 fills this in.
+    # Every query sees at least itself (padding is its own segment), so rows are never empty.
+    (9, 0): {"ROWS_GUARANTEED_SAFE": True},
+}
+
+_PHASE_PREFIXES = ("fwd_", "bwd_")
+_SPARSE_BLOCK = 128
+
+
+def _known_options() -> dict[str, object]:
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    return typing.get_type_hints(FlexKernelOptions)
+
+
+def _check_value(key: str, base: str, value, hint) -> None:
+    if typing.get_origin(hint) is typing.Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ValueError(f"kernel option {key}={value!r} is not one of {allowed}")
+    elif hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"kernel option {key}={value!r} must be a bool")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"kernel option {key}={value!r} must be a positive int")
+        if base.startswith("BLOCK_") and value & (value - 1):
+            raise ValueError(f"kernel option {key}={value} must be a power of two")
+        if base == "num_warps" and value not in (1, 2, 4, 8, 16):
+            raise ValueError(f"kernel option {key}={value} must be one of 1, 2, 4, 8, 16")
+
+
+def validate_kernel_options(options: dict[str, object] | None) -> dict[str, object]:
+    """Return a copy of `options` after checking every key and value; raise ValueError naming
+    the first bad one. Keys may carry a fwd_/bwd_ prefix, as flex_attention accepts."""
+    options = dict(options or {})
+    known = _known_options()
+    for key, value in options.items():
+        base = key
+        for prefix in _PHASE_PREFIXES:
+            if key.startswith(prefix) and key[len(prefix):] in known:
+                base = key[len(prefix):]
+        if base not in known:
+            raise ValueError(
+                f"unknown kernel option {key!r}; torch {torch.__version__} accepts "
+                f"{sorted(known)} (optionally prefixed fwd_ or bwd_)"
+            )
+        _check_value(key, base, value, known[base])
+        if base.startswith("BLOCK_") and _SPARSE_BLOCK % value:
+            raise ValueError(f"kernel option {key}={value} must divide the block size 128")
+    m1, n1 = options.get("BLOCK_M1"), options.get("BLOCK_N1")
+    if m1 and n1 and n1 % m1:
+        raise ValueError(f"BLOCK_N1={n1} must be a multiple of BLOCK_M1={m1}")
+    m2, n2 = options.get("BLOCK_M2"), options.get("BLOCK_N2")
+    if m2 and n2 and m2 % n2:
+        raise ValueError(f"BLOCK_M2={m2} must be a multiple of BLOCK_N2={n2}")
+    return options
+
+
+def kernel_options_for(device: torch.device, overrides: dict[str, object] | None = None):
+    """The validated options for `device`'s architecture, with `overrides` on top."""
+    base: dict[str, object] = {}
+    if device.type == "cuda":
+        base = KERNEL_OPTIONS_BY_ARCH.get(torch.cuda.get_device_capability(device), {})
+    return validate_kernel_options({**base, **(overrides or {})})

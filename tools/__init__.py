@@ -1,0 +1,1 @@
+"""Command-line tools and benchmarks (installed as dualkv_compile.tools)."""
