@@ -16,8 +16,11 @@ __all__ = ["KERNEL_OPTIONS_BY_ARCH", "kernel_options_for", "validate_kernel_opti
 # architecture without an entry runs Inductor's defaults.
 KERNEL_OPTIONS_BY_ARCH: dict[tuple[int, int], dict[str, object]] = {
     # sm_90 (H100/H200): Inductor's defaults until the tuning script of issue #4 fills this in.
-    # Every query sees at least itself (padding is its own segment), so rows are never empty.
-    (9, 0): {"ROWS_GUARANTEED_SAFE": True},
+    # Never set ROWS_GUARANTEED_SAFE here: although every query sees itself, a query's first
+    # visited (partial) block can be fully masked for that row when a query block spans two
+    # groups or a response and the padding; the unguarded online softmax then gives NaN (seen
+    # on an H100, torch 2.11).
+    (9, 0): {},
 }
 
 _PHASE_PREFIXES = ("fwd_", "bwd_")

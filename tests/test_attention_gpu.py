@@ -69,6 +69,7 @@ def test_bf16_more_than_262144_packed_tokens():
 def test_recompiles_stay_bounded_over_new_batches_and_lengths():
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # start cold, so the first batch must compile
     before = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(9)
     seen = []
@@ -80,8 +81,8 @@ def test_recompiles_stay_bounded_over_new_batches_and_lengths():
         seen.append(pb.seq_len)
     compiles = counters["stats"]["unique_graphs"] - before
     print(json.dumps({"lengths": seen, "new_graphs": compiles}))
-    assert len(set(seen)) == 4
-    assert compiles <= 2, compiles
+    assert len(set(seen)) == 3  # two batches share T=640, another two T=1792
+    assert 1 <= compiles <= 2, compiles
 
 
 def teardown_module():
