@@ -24,19 +24,21 @@ __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
 
 log = logging.getLogger(__name__)
 
-# Each length bucket, options set or requires_grad flip is one compile of flex_attention.
+# Each length bucket (T), options set or requires_grad flip is one compile of flex_attention.
 RECOMPILE_LIMIT = 64
 
-_compiled_flex = None
+# Compiled once per process, keyed by `dynamic`. Static shapes are the default: a kernel
+# compiled for a symbolic T cannot assume T % 128 == 0 and guards every load (slower, see
+# docs/results/attention_h100.md); T is already bucketed by pack(pad_to=...).
+_compiled_flex: dict[bool, object] = {}
 
 
-def _flex():
-    global _compiled_flex
-    if _compiled_flex is None:
+def _flex(dynamic: bool):
+    if dynamic not in _compiled_flex:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, fullgraph=True)
-    return _compiled_flex
+        _compiled_flex[dynamic] = torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
+    return _compiled_flex[dynamic]
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch) -> None:
@@ -57,7 +59,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch) -> None:
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
 
 
-def _flex_attention(q, k, v, packed, scale, kernel_options):
+def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False):
     block_mask = shared_prefix_block_mask(packed, q.device)
     options = kernel_options_for(q.device, kernel_options)
     gqa = q.shape[1] != k.shape[1]
@@ -66,11 +68,21 @@ def _flex_attention(q, k, v, packed, scale, kernel_options):
 
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                               kernel_options=options)
-    with torch._dynamo.config.patch(
-        recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True
-    ):
-        return _flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                       kernel_options=options)
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    try:
+        with torch._dynamo.config.patch(
+            recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True
+        ):
+            return _flex(dynamic)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                  kernel_options=options)
+    except FailOnRecompileLimitHit as e:
+        raise RuntimeError(
+            f"flex_attention was compiled for {RECOMPILE_LIMIT} shape classes already (this "
+            f"call: T={packed.seq_len}, q {tuple(q.shape)}, {q.dtype}); Dynamo would now fall "
+            f"back to eager flex, which builds [T, T] scores. Pack with a coarser pad_to so "
+            f"fewer distinct lengths occur."
+        ) from e
 
 
 def shared_prefix_attention(
