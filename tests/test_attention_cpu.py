@@ -1,6 +1,8 @@
 """shared_prefix_attention on CPU (the SDPA reference path) against causal SDPA on the
 replicated rows, fp64: outputs and dq/dk/dv."""
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -45,7 +47,8 @@ def check_equivalence(tokens, mask, prompt_len, hq, hkv, d, g, scale=None):
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("group_size", [1, 2, 5])
 def test_matches_replicated_causal_sdpa(group_size, groups, prompt, responses, hq, hkv, d):
-    g = torch.Generator().manual_seed(hash((group_size, groups, prompt, responses, d)) % 2**31)
+    seed = zlib.crc32(repr((group_size, groups, prompt, responses, hq, hkv, d)).encode())
+    g = torch.Generator().manual_seed(seed)
     # groups differ in prompt length too (prompt, prompt - 1, ...), left-padded
     prompts = [max(1, prompt - i) for i in range(groups)]
     tokens, mask, p = make_batch(prompts, response_lengths(responses, groups, group_size, g),
