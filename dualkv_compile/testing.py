@@ -10,6 +10,10 @@ from torch import Tensor
 __all__ = [
     "make_batch",
     "packed_forward_backward",
+    "row_by_row_logits",
+    "row_by_row_response_logprobs",
+    "same_dtype_numerics",
+    "tiny_model",
     "random_qkv",
     "rel_err",
     "replicated_causal_attention",
@@ -113,3 +117,118 @@ def random_qkv(packed, hq: int, hkv: int, d: int, *, dtype, device, generator=No
     cot[:, :, packed.num_tokens:] = 0
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     return (*(x.to(device=device, dtype=dtype) for x in (q, k, v)), cot.to(device=device, dtype=wide))
+
+
+# ---- models for exactness tests -------------------------------------------------------------
+class _RMSNormSameDtype(torch.nn.Module):
+    """RMSNorm computed in the input's dtype (torchtune and transformers upcast to float32)."""
+
+    def __init__(self, weight, eps, offset=0.0):
+        super().__init__()
+        self.weight, self.eps, self.offset = weight, eps, offset
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * (self.weight + self.offset)
+
+
+class _RopeSameDtype(torch.nn.Module):
+    """torchtune's interleaved RoPE on its own cache, without the float32 cast."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+    def forward(self, x, *, input_pos=None):
+        cache = self.cache[: x.size(1)] if input_pos is None else self.cache[input_pos]
+        xs = x.reshape(*x.shape[:-1], -1, 2)
+        cache = cache.view(-1, xs.size(1), 1, xs.size(3), 2).to(x.dtype)
+        out = torch.stack([xs[..., 0] * cache[..., 0] - xs[..., 1] * cache[..., 1],
+                           xs[..., 1] * cache[..., 0] + xs[..., 0] * cache[..., 1]], -1)
+        return out.flatten(3)
+
+
+def same_dtype_numerics(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap the norm and RoPE modules that compute in float32 whatever the model's dtype for
+    equivalents that keep the dtype, in place. An fp64 comparison of two computations that
+    differ only by 1e-16 is otherwise capped near 1e-7 by float32 rounding inside the model;
+    with this, fp64 tests measure the packed transformation itself."""
+    swaps = []
+    for name, mod in model.named_modules(remove_duplicate=False):  # modules may be shared
+        cls = type(mod).__name__
+        if cls == "RMSNorm" and hasattr(mod, "scale"):  # torchtune
+            swaps.append((name, _RMSNormSameDtype(mod.scale, mod.eps)))
+        elif cls.endswith("RMSNorm") and hasattr(mod, "variance_epsilon"):  # transformers
+            swaps.append((name, _RMSNormSameDtype(mod.weight, mod.variance_epsilon)))
+        elif cls in ("RotaryPositionalEmbeddings", "Llama3ScaledRoPE") and hasattr(mod, "cache"):
+            swaps.append((name, _RopeSameDtype(mod.cache)))
+    for name, new in swaps:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    return model
+
+
+def tiny_model(family: str, *, vocab: int = 101, seed: int = 0) -> torch.nn.Module:
+    """A tiny random decoder of one family: 'qwen2_5' and 'llama3_2' (torchtune builders),
+    'hf_qwen3' and 'hf_llama' (transformers, attn_implementation='sdpa'). 2 layers, GQA 4/2."""
+    torch.manual_seed(seed)
+    if family == "qwen2_5":
+        from torchtune.models.qwen2._component_builders import qwen2
+
+        return qwen2(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+                     intermediate_dim=64, max_seq_len=512, tie_word_embeddings=True)
+    if family == "llama3_2":
+        from torchtune.models.llama3_2._component_builders import llama3_2
+
+        return llama3_2(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2,
+                        embed_dim=32, intermediate_dim=64, max_seq_len=512)
+    if family in ("hf_qwen3", "hf_llama"):
+        import transformers as tf
+
+        common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512)
+        if family == "hf_qwen3":
+            cfg = tf.Qwen3Config(head_dim=8, **common)
+            model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
+        else:
+            cfg = tf.LlamaConfig(**common)
+            model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+        return model.eval()
+    raise ValueError(f"unknown family {family!r}; one of qwen2_5, llama3_2, hf_qwen3, hf_llama")
+
+
+def row_by_row_logits(model, tokens: Tensor, padding_mask: Tensor) -> list[Tensor]:
+    """The plainest reference: the unmodified model on each row's valid tokens alone."""
+    out = []
+    for b in range(tokens.shape[0]):
+        row = tokens[b, padding_mask[b]][None]
+        pos = torch.arange(row.shape[1], device=row.device)[None]
+        if hasattr(model, "get_output_embeddings"):
+            logits = model(input_ids=row, position_ids=pos, use_cache=False).logits
+        else:  # torchtune returns .float() logits: keep the LM head's own output dtype
+            seen = []  # the final norm's output, through the model's own forward
+            hook = model.norm.register_forward_hook(lambda m, i, o: seen.append(o))
+            try:
+                model(row, input_pos=pos)
+            finally:
+                hook.remove()
+            logits = model.output(seen[0])
+        out.append(logits[0])
+    return out
+
+
+def row_by_row_response_logprobs(model, tokens, padding_mask, prompt_len, temperature=1.0):
+    """[B, L - prompt_len] response logprobs from row_by_row_logits (0 at padding)."""
+    rows = row_by_row_logits(model, tokens, padding_mask)
+    b, l = tokens.shape
+    out = []
+    for i, logits in enumerate(rows):
+        row = tokens[i, padding_mask[i]]
+        p = int(padding_mask[i, :prompt_len].sum())
+        n = int(padding_mask[i, prompt_len:].sum())
+        wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logp = (logits.to(wide) / temperature).log_softmax(-1)
+        picked = logp[p - 1:p - 1 + n].gather(1, row[p:p + n, None])[:, 0]
+        out.append(torch.cat([picked, picked.new_zeros(l - prompt_len - n)]))
+    return torch.stack(out)

@@ -1,0 +1,99 @@
+"""What optimize() needs to know about a model family: how to run its body (embedding to final
+norm) on given tokens/positions/mask, its LM head, and what it refuses to share."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["adapter_for"]
+
+
+class _Torchtune:
+    """torchtune TransformerDecoder (qwen2_5, llama3_2 builders, our Qwen3 builder). Its
+    forward refuses sequences longer than max_seq_len, which a packed batch may be; the body is
+    run layer by layer instead, exactly as TransformerDecoder.forward does."""
+
+    name = "torchtune"
+
+    def check(self, model):
+        if getattr(model, "output_hidden_states", None):
+            raise ValueError("optimize() needs output_hidden_states=[] on the torchtune model, "
+                             f"got {model.output_hidden_states}")
+        if model.caches_are_enabled():
+            raise ValueError("optimize() trains without KV caches; call model.reset_caches() / "
+                             "do not set up caches on the model passed in")
+
+    def body(self, model, tokens, positions, mask=None):
+        h = model.tok_embeddings(tokens)
+        for layer in model.layers:
+            h = layer(h, mask=mask, input_pos=positions)
+        return model.norm(h)
+
+    def head(self, model, hidden):
+        return model.output(hidden).float()
+
+    def lm_head_weight(self, model) -> Tensor:
+        out = model.output
+        return out.tied_module.weight if hasattr(out, "tied_module") else out.weight
+
+    def replicated_mask(self, padding_mask: Tensor) -> Tensor:
+        """[B, L, L] causal mask over valid tokens; padding rows see themselves (no NaN)."""
+        b, l = padding_mask.shape
+        causal = torch.ones(l, l, dtype=torch.bool, device=padding_mask.device).tril()
+        mask = causal & padding_mask[:, None, :]
+        return mask | torch.eye(l, dtype=torch.bool, device=padding_mask.device)
+
+
+class _HuggingFace:
+    """transformers causal LMs that call SDPA (attn_implementation="sdpa")."""
+
+    name = "transformers"
+
+    def check(self, model):
+        cfg = model.config
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl != "sdpa":
+            raise ValueError(f"optimize() needs attn_implementation='sdpa', the model uses "
+                             f"{impl!r}; load it with attn_implementation='sdpa'")
+        kinds = set(getattr(cfg, "layer_types", None) or [])
+        window = getattr(cfg, "sliding_window", None)
+        uses_window = getattr(cfg, "use_sliding_window", window is not None)
+        if kinds - {"full_attention"} or (window and uses_window):
+            raise ValueError(f"optimize() supports full causal attention only; this model uses "
+                             f"sliding windows (layer_types={sorted(kinds)}, "
+                             f"sliding_window={window})")
+
+    def body(self, model, tokens, positions, mask=None):
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        out = base(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                   use_cache=False)
+        return out.last_hidden_state
+
+    def head(self, model, hidden):
+        return model.get_output_embeddings()(hidden)
+
+    def lm_head_weight(self, model) -> Tensor:
+        return model.get_output_embeddings().weight
+
+    def replicated_mask(self, padding_mask: Tensor) -> Tensor:
+        return padding_mask.long()
+
+
+def adapter_for(model: nn.Module):
+    try:
+        from torchtune.modules import TransformerDecoder
+
+        if isinstance(model, TransformerDecoder):
+            return _Torchtune()
+    except ImportError:  # torchtune is a dependency, but keep transformers usable without it
+        pass
+    try:
+        from transformers import PreTrainedModel
+
+        if isinstance(model, PreTrainedModel) and hasattr(model, "get_output_embeddings"):
+            return _HuggingFace()
+    except ImportError:
+        pass
+    raise TypeError(f"optimize() supports torchtune TransformerDecoder and transformers causal "
+                    f"LMs; got {type(model).__module__}.{type(model).__name__}")

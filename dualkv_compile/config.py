@@ -1,0 +1,67 @@
+"""DualKVConfig: the frozen, versioned, JSON-serialisable settings of optimize()."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from .kernel_options import validate_kernel_options
+
+__all__ = ["DualKVConfig"]
+
+_BACKENDS = ("auto", "inductor", "aot_eager", "eager")
+_FALLBACKS = ("error", "dense")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DualKVConfig:
+    """Settings of `dualkv_compile.optimize`.
+
+    enabled: False runs the plain model on the replicated batch (the baseline).
+    pad_to: the packed length T is rounded up to a multiple of this (one compile per bucket);
+        a multiple of 128, the FlexAttention block size.
+    kernel_options: FlexAttention kernel options over the architecture's table (validated).
+    backend: "auto" (Inductor on CUDA, aot_eager elsewhere, since Inductor's CPU flex has no
+        backward), "inductor", "aot_eager" or "eager".
+    fallback: what a refusal of the passes does: "error" raises naming the op and its source
+        line; "dense" runs the unoptimised model, logged once with the reason and counted.
+    logprob_chunk_size: response positions per LM-head chunk in response_logprobs.
+    """
+
+    version: int = 1
+    enabled: bool = True
+    pad_to: int = 128
+    kernel_options: dict = field(default_factory=dict)
+    backend: str = "auto"
+    fallback: str = "error"
+    logprob_chunk_size: int = 1024
+
+    def __post_init__(self):
+        if self.version != 1:
+            raise ValueError(f"DualKVConfig version={self.version!r}: only version 1 exists")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"enabled={self.enabled!r} must be a bool")
+        if not isinstance(self.pad_to, int) or self.pad_to < 128 or self.pad_to % 128:
+            raise ValueError(f"pad_to={self.pad_to!r} must be a positive multiple of 128")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {_BACKENDS}")
+        if self.fallback not in _FALLBACKS:
+            raise ValueError(f"fallback={self.fallback!r} is not one of {_FALLBACKS}")
+        if not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size!r} must be a positive int")
+        if not isinstance(self.kernel_options, dict):
+            raise ValueError(f"kernel_options={self.kernel_options!r} must be a dict")
+        validate_kernel_options(self.kernel_options)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DualKVConfig":
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown DualKVConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,239 @@
+"""optimize(model): a wrapper that runs a decoder on the packed shared-prefix layout.
+
+The wrapper shares every parameter with the model (the model is untouched and stays usable;
+state_dict keys are the model's) and patches nothing global. Each call packs the replicated
+batch, traces `body -> head` on the packed tokens with Dynamo, and the DualKV backend rewrites
+the graph (see backend.py). Compiled graphs are cached per length bucket and mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from .adapters import adapter_for
+from .backend import DualKVBackend
+from .config import DualKVConfig
+from .layout_inputs import layout_anchor, layout_tables
+from .logprobs import chunked_logprobs
+from .packing import PackedBatch, pack
+from .stats import counters
+
+__all__ = ["optimize", "DualKVModel"]
+
+log = logging.getLogger(__name__)
+
+# Every length bucket, mode and grad-mode flip is a compile of the wrapper's traced function;
+# past Dynamo's default limit (8) it would silently run the model eagerly on the packed batch
+# with eager flex ([T, T] scores). Raised deliberately, and made fatal.
+RECOMPILE_LIMIT = 256
+
+
+def optimize(model: nn.Module, config: DualKVConfig | None = None) -> "DualKVModel":
+    """Wrap `model` (torchtune TransformerDecoder or a transformers causal LM using SDPA) so that
+    each shared prompt is computed once. See README.md."""
+    return DualKVModel(model, config or DualKVConfig())
+
+
+def _unwrap_refusal(exc: BaseException):
+    from dualkv_compile.passes._common import Refusal
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, Refusal):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+class DualKVModel(nn.Module):
+    def __init__(self, model: nn.Module, config: DualKVConfig):
+        super().__init__()
+        if not isinstance(config, DualKVConfig):
+            raise TypeError(f"config must be a DualKVConfig, got {type(config).__name__}")
+        self.model = model
+        self.config = config
+        self._adapter = adapter_for(model)
+        self._adapter.check(model)
+        self._compiled: dict[str, object] = {}
+        self._backends: dict[str, DualKVBackend] = {}
+        self.dense_reason: str | None = None  # set when fallback="dense" took over
+
+    # ---- the model's identity -------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def uses_dualkv(self) -> bool:
+        return self.config.enabled and self.dense_reason is None
+
+    # ---- compiled packed calls ------------------------------------------------------------
+    def _traced(self, mode: str, tokens: Tensor, positions: Tensor, tables: list[Tensor]):
+        layout_anchor(tokens, positions, tables)
+        hidden = self._adapter.body(self.model, tokens, positions)
+        return self._adapter.head(self.model, hidden)
+
+    def _compiler(self, device: torch.device) -> str:
+        if self.config.backend != "auto":
+            return self.config.backend
+        return "inductor" if device.type == "cuda" else "aot_eager"
+
+    def _run_packed(self, packed: PackedBatch, mode: str) -> Tensor:
+        device = packed.tokens.device
+        if mode not in self._compiled:
+            self._backends[mode] = DualKVBackend(
+                compiler=self._compiler(device), kernel_options=self.config.kernel_options,
+                vocab_size=self._adapter.lm_head_weight(self.model).shape[0], mode=mode)
+            self._compiled[mode] = torch.compile(
+                functools.partial(self._traced, mode), backend=self._backends[mode],
+                fullgraph=True, dynamic=False)
+        tables, template = layout_tables(packed, device)
+        self._backends[mode].template = template
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                        fail_on_recompile_limit_hit=True):
+            return self._compiled[mode](packed.tokens, packed.positions, tables)
+
+    def _packed_or_dense(self, packed_fn, dense_fn):
+        if not self.uses_dualkv:
+            return dense_fn()
+        try:
+            return packed_fn()
+        except Exception as exc:  # noqa: BLE001 - only refusals are handled, others re-raised
+            refusal = _unwrap_refusal(exc)
+            if refusal is None:
+                raise
+            if self.config.fallback == "error":
+                raise refusal from None
+            self.dense_reason = str(refusal)
+            counters["dense_fallback"] += 1
+            log.warning("dualkv: running the unoptimised model from now on: %s", refusal)
+            return dense_fn()
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def _pack(self, tokens: Tensor, prompt_len: int, padding_mask: Tensor | None) -> PackedBatch:
+        return pack(tokens, prompt_len=prompt_len, padding_mask=padding_mask,
+                    pad_to=self.config.pad_to)
+
+    @staticmethod
+    def _row_positions(padding_mask: Tensor) -> Tensor:
+        return (padding_mask.long().cumsum(1) - 1).clamp_min(0)
+
+    def _split_forward_args(self, args, kwargs):
+        """(tokens, padding_mask) from the model's own calling convention."""
+        kwargs = dict(kwargs)
+        if self._adapter.name == "torchtune":
+            tokens = args[0] if args else kwargs.pop("tokens")
+            if kwargs.pop("mask", None) is not None:
+                raise ValueError("pass padding_mask= ([B, L] bool) instead of torchtune's [B, L, L] "
+                                 "mask; the wrapper builds the attention mask itself")
+            padding_mask = kwargs.pop("padding_mask", None)
+            positions = kwargs.pop("input_pos", None)
+        else:
+            tokens = args[0] if args else kwargs.pop("input_ids")
+            padding_mask = kwargs.pop("attention_mask", kwargs.pop("padding_mask", None))
+            positions = kwargs.pop("position_ids", None)
+            kwargs.pop("use_cache", None)
+            padding_mask = None if padding_mask is None else padding_mask.bool()
+        if kwargs:
+            raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
+        if positions is not None:
+            mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+            expected = self._row_positions(mask)
+            if not torch.equal(torch.where(mask, positions, 0), torch.where(mask, expected, 0)):
+                raise ValueError("the given positions differ from 0.. over each row's valid "
+                                 "tokens, which is what the packed layout uses")
+        return tokens, padding_mask
+
+    # ---- public API -----------------------------------------------------------------------
+    def forward(self, *args, prompt_len: int, **kwargs):
+        """Drop-in for the model's forward on a replicated batch, plus `prompt_len`. Returns
+        logits [B, L, V] (torchtune) or the transformers output with `.logits` [B, L, V];
+        padding positions hold 0."""
+        tokens, padding_mask = self._split_forward_args(args, kwargs)
+        mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+
+        def dense():
+            hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
+                                        self._adapter.replicated_mask(mask))
+            return self._adapter.head(self.model, hidden) * mask[..., None]
+
+        def packed():
+            pb = self._pack(tokens, prompt_len, padding_mask)
+            return pb.unpack(self._run_packed(pb, "logits"))
+
+        logits = self._packed_or_dense(packed, dense)
+        if self._adapter.name == "transformers":
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            return CausalLMOutputWithPast(logits=logits)
+        return logits
+
+    def response_logprobs(self, tokens: Tensor, *, prompt_len: int,
+                          padding_mask: Tensor | None = None, temperature: float = 1.0) -> Tensor:
+        """Logprob of every response token, [B, L - prompt_len]; 0 at padding. float32, or
+        float64 for a float64 model. The LM head runs only at the positions that predict
+        response tokens, in chunks of config.logprob_chunk_size."""
+        mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        weight = self._adapter.lm_head_weight(self.model)
+
+        def dense():
+            pb = self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
+            hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
+                                        self._adapter.replicated_mask(mask))
+            src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
+            rows = _row_sources(mask, prompt_len, src.device)
+            return _scatter(self, hidden.flatten(0, 1), rows, targets, dst, tokens, prompt_len,
+                            weight, temperature)
+
+        def packed():
+            pb = self._pack(tokens, prompt_len, padding_mask)
+            hidden = self._run_packed(pb, "hidden")[0]  # [T, d]
+            src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
+            return _scatter(self, hidden, src, targets, dst, tokens, prompt_len, weight,
+                            temperature)
+
+        return self._packed_or_dense(packed, dense)
+
+
+def _predictions(tokens, mask, prompt_len, pb: PackedBatch):
+    """For every valid response token: the packed index of the hidden state that predicts it
+    (the previous token of its row; the prompt's last token for the first), its token id, and
+    its flat index in the [B, L - prompt_len] output."""
+    b, l = tokens.shape
+    r = l - prompt_len
+    device = tokens.device
+    index = pb._index("_unpack_index", device).view(b, l)
+    valid = mask[:, prompt_len:]
+    resp = index[:, prompt_len:]  # packed index of each response token
+    # previous token: the one before it in the packed response, or the prompt's last token
+    prompt_last = torch.tensor([pb.group_spans[g][1] - 1 for g in pb.group_ids.tolist()],
+                               device=device)
+    prev = torch.cat([prompt_last[:, None], resp[:, :-1]], dim=1)
+    dst = (torch.arange(b, device=device)[:, None] * r + torch.arange(r, device=device))[valid]
+    return prev[valid], tokens[:, prompt_len:][valid], dst
+
+
+def _row_sources(mask, prompt_len, device):
+    """Same as _predictions' sources, but as flat indices into the [B, L] rows: the previous
+    valid column of each valid response token."""
+    b, l = mask.shape
+    cols = torch.arange(l, device=device).expand(b, l)
+    last_valid = torch.where(mask, cols, torch.full_like(cols, -1)).cummax(1).values
+    prev = torch.cat([torch.full_like(cols[:, :1], -1), last_valid[:, :-1]], dim=1)
+    flat = torch.arange(b, device=device)[:, None] * l + prev
+    return flat[:, prompt_len:][mask[:, prompt_len:]]
+
+
+def _scatter(self, hidden, src, targets, dst, tokens, prompt_len, weight, temperature):
+    lp = chunked_logprobs(hidden.index_select(0, src), weight, targets,
+                          temperature=temperature, chunk_size=self.config.logprob_chunk_size)
+    b, l = tokens.shape
+    out = lp.new_zeros(b * (l - prompt_len)).index_put((dst,), lp)
+    return out.view(b, l - prompt_len)

@@ -1,0 +1,170 @@
+"""Attention rewrite: every causal SDPA node becomes shared-prefix FlexAttention.
+
+An SDPA node is rewritten when it is causal: `is_causal=True` with no mask, or a mask that the
+model computed from positions and shapes alone (transformers builds one from position_ids).
+Masks that depend on token data or parameters, dropout, or a batch other than 1 are refused.
+The replacement is the flex_attention higher-order op with the packed layout's BlockMask, whose
+tensors (and the 1-D segment tables its mask_mod reads) come from the layout anchor's inputs.
+The model's own mask computation becomes dead and is removed.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor
+
+from dualkv_compile.layout_inputs import ANCHOR
+from dualkv_compile.stats import counters
+
+from ._common import Refusal, example, pass_uuid, source_line
+
+__all__ = ["rewrite_attention", "find_anchor", "uuid"]
+
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+
+def uuid() -> str:
+    return pass_uuid(__file__)
+
+
+def find_anchor(graph: fx.Graph) -> fx.Node:
+    anchors = [n for n in graph.nodes if n.op == "call_function" and n.target is ANCHOR]
+    if len(anchors) != 1:
+        raise Refusal(f"expected one layout anchor in the graph, found {len(anchors)}")
+    return anchors[0]
+
+
+def _mask_graph() -> fx.GraphModule:
+    def shared_prefix_mask(b, h, q_idx, kv_idx, segment_ids, prefix_segment_ids):
+        seg_kv = segment_ids[kv_idx]
+        same = seg_kv == segment_ids[q_idx]
+        in_prompt = seg_kv == prefix_segment_ids[q_idx]
+        return (kv_idx <= q_idx) & (same | in_prompt)
+
+    return fx.symbolic_trace(shared_prefix_mask)
+
+
+def _score_graph() -> fx.GraphModule:
+    def identity_score(score, b, h, q_idx, kv_idx):
+        return score
+
+    return fx.symbolic_trace(identity_score)
+
+
+def _sdpa_arguments(node: fx.Node) -> dict:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    args.setdefault("attn_mask", None)
+    args.setdefault("dropout_p", 0.0)
+    args.setdefault("is_causal", False)
+    args.setdefault("scale", None)
+    args.setdefault("enable_gqa", False)
+    return args
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None:
+    """A model-built mask is accepted only if it derives from positions and shapes alone."""
+    inputs = [a for a in _ancestors(mask) | {mask} if a.op == "placeholder"]
+    bad = [a for a in inputs if a is not positions]
+    if bad:
+        raise Refusal(
+            f"attention at {source_line(node)} uses a mask computed from "
+            f"{[a.name for a in bad]}, not from positions alone; only causal attention can be "
+            f"rewritten to the shared-prefix layout"
+        )
+
+
+def _check_sdpa(node: fx.Node, args: dict, positions: fx.Node) -> None:
+    q = example(args["query"])
+    if q is None or q.dim() != 4 or q.shape[0] != 1:
+        shape = None if q is None else tuple(q.shape)
+        raise Refusal(f"attention at {source_line(node)} has query shape {shape}; the packed "
+                      f"layout needs [1, H, T, D]")
+    if args["dropout_p"] not in (0, 0.0):
+        raise Refusal(f"attention at {source_line(node)} has dropout_p={args['dropout_p']}; "
+                      f"attention dropout cannot be reproduced on the packed layout")
+    if args["attn_mask"] is None and not args["is_causal"]:
+        raise Refusal(f"attention at {source_line(node)} is not causal (is_causal=False and no "
+                      f"mask); only causal decoders can share a prompt")
+    if isinstance(args["attn_mask"], fx.Node):
+        _check_mask_source(args["attn_mask"], positions, node)
+
+
+def _block_mask_tuple(graph: fx.Graph, template: tuple, tables: list, mask_attr: fx.Node):
+    tensors = iter(tables)
+    out = []
+    for item in template:
+        if isinstance(item, Tensor):
+            out.append(next(tensors))
+        elif callable(item):
+            out.append(mask_attr)
+        else:
+            out.append(item)
+    return tuple(out)
+
+
+def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict) -> int:
+    """Rewrite every SDPA node of `gm` in place; erase the anchor. Returns the rewrite count."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+
+    graph = gm.graph
+    anchor = find_anchor(graph)
+    tokens, positions, tables = anchor.args
+    segment_ids, prefix_segment_ids, block_tensors = tables[0], tables[1], list(tables[2:])
+    sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
+    if not sdpa_nodes:
+        raise Refusal("no scaled_dot_product_attention in the traced model; nothing to share")
+
+    gm.add_submodule("dualkv_score_mod", _score_graph())
+    gm.add_submodule("dualkv_mask_mod", _mask_graph())
+    for node in sdpa_nodes:
+        args = _sdpa_arguments(node)
+        _check_sdpa(node, args, positions)
+        q, k, v = (example(args[x]) for x in ("query", "key", "value"))
+        scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+        options = _apply_kernel_options(q, k, v, False, dict(kernel_options))
+        with graph.inserting_before(node):
+            score_attr = graph.get_attr("dualkv_score_mod")
+            mask_attr = graph.get_attr("dualkv_mask_mod")
+            block_mask = _block_mask_tuple(graph, template, block_tensors, mask_attr)
+            hop = graph.call_function(
+                flex_hop,
+                (args["query"], args["key"], args["value"], score_attr, block_mask, scale,
+                 options, (), (segment_ids, prefix_segment_ids)),
+            )
+            out = graph.call_function(operator.getitem, (hop, 0))
+        out.meta = dict(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        counters["attention_rewritten"] += 1
+
+    # The anchor's output is unused; its inputs now feed the flex nodes directly.
+    anchor.replace_all_uses_with(tokens)
+    graph.erase_node(anchor)
+    removed = _eliminate_dead_code(graph)
+    counters["mask_nodes_removed"] += removed
+    return len(sdpa_nodes)
+
+
+def _eliminate_dead_code(graph: fx.Graph) -> int:
+    before = len(graph.nodes)
+    graph.eliminate_dead_code()
+    return before - len(graph.nodes)

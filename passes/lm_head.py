@@ -1,0 +1,52 @@
+"""Token dedup, part 2: cut the LM head out of the graph for response_logprobs.
+
+The graph then returns the final hidden states [1, T, d]. The wrapper gathers only the
+positions that predict response tokens and runs the LM head there, in chunks
+(dualkv_compile.logprobs), so no [T, vocab] tensor exists.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch import Tensor
+
+from dualkv_compile.stats import counters
+
+from ._common import Refusal, example, pass_uuid, source_line
+
+__all__ = ["prune_lm_head", "uuid"]
+
+_CASTS = {"float", "to", "type_as", "contiguous"}
+
+
+def uuid() -> str:
+    return pass_uuid(__file__)
+
+
+def _name(node):
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def prune_lm_head(graph: fx.Graph, vocab_size: int) -> fx.Node:
+    """Replace the graph's logits output by the LM head's input; return that input node."""
+    out_node = graph.output_node()
+    outputs = out_node.args[0]
+    logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    node = logits
+    while isinstance(node, fx.Node) and _name(node) in _CASTS:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and _name(node) == "linear"):
+        raise Refusal(f"the model output is not produced by a linear LM head "
+                      f"(found {getattr(node, 'name', node)})")
+    weight = example(node.args[1] if len(node.args) > 1 else node.kwargs["weight"])
+    if not isinstance(weight, Tensor) or weight.shape[0] != vocab_size:
+        raise Refusal(f"the last linear at {source_line(node)} does not map to the vocabulary "
+                      f"({vocab_size} entries)")
+    hidden = node.args[0]
+    if isinstance(outputs, (tuple, list)):
+        out_node.args = (type(outputs)([hidden, *outputs[1:]]),)
+    else:
+        out_node.args = (hidden,)
+    graph.eliminate_dead_code()
+    counters["lm_head_pruned"] += 1
+    return hidden

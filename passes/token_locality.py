@@ -1,0 +1,303 @@
+"""Token dedup, part 1: prove every op between the inputs and the output token-local.
+
+Running the model on the packed sequence is exact only if no op other than the (rewritten)
+attention mixes tokens. The proof follows the token axis of every tensor from the packed
+inputs (tokens and positions, axis 1) through the graph:
+
+- ops with a rule here keep the axis where the rule says (pointwise with broadcasting, linear,
+  embedding, norms and reductions over other dims, views, transposes, indexing that leaves the
+  axis whole, cat/stack/split along other dims, matmul that does not contract over tokens,
+  the shared-prefix flex_attention);
+- an op that reduces, slices, gathers, shifts or contracts along the token axis, or that meets
+  a tensor carrying its own full-length sequence axis (positions made by arange rather than
+  fed from the packed layout), or any op without a rule, is refused naming the op and line.
+
+Tensors that do not depend on the packed inputs (weights, RoPE tables) pass freely.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from dualkv_compile.stats import counters
+
+from ._common import Refusal, example, pass_uuid, source_line
+
+__all__ = ["prove_token_locality", "uuid"]
+
+_POINTWISE = {
+    "add", "sub", "mul", "truediv", "div", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",
+    "log", "sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "softplus", "abs", "float",
+    "half", "bfloat16", "double", "to", "type_as", "type", "contiguous", "clone", "detach",
+    "dropout", "where", "masked_fill", "clamp", "maximum", "minimum", "eq", "ne", "le", "lt",
+    "ge", "gt", "and_", "or_", "invert", "logical_and", "logical_or", "logical_not",
+    "reciprocal", "square", "erf", "iadd", "imul", "isub", "add_", "mul_", "sub_", "div_",
+    "__and__", "__or__", "__invert__", "lerp", "tanh_", "sigmoid_", "gelu_", "relu_",
+    "addcmul", "requires_grad_",
+}
+_REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod", "all",
+           "any"}
+_SAME_SHAPE_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "_softmax"}
+_VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
+          "reshape_as"}
+_EXPANDS = {"expand", "expand_as", "broadcast_to"}
+_SHAPE_QUERIES = {"size", "dim", "numel", "getattr", "_log_api_usage_once", "is_floating_point",
+                  "get_device"}
+_MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
+
+
+def uuid() -> str:
+    return pass_uuid(__file__)
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    target = node.target
+    return getattr(target, "__name__", str(target)).split(".")[-1]
+
+
+class _Proof:
+    def __init__(self, graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout: set):
+        self.axis: dict[fx.Node, object] = {tokens: 1, positions: 1}
+        self.layout = layout
+        self.t = example(tokens).shape[1]
+        self.checked = 0
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def tok(self, x):
+        return self.axis.get(x) if isinstance(x, fx.Node) else None
+
+    def refuse(self, node, why):
+        raise Refusal(f"cannot prove `{_name(node)}` at {source_line(node)} token-local: {why}")
+
+    def dim_arg(self, node, pos, key, ndim, default=None):
+        d = node.kwargs.get(key, node.args[pos] if len(node.args) > pos else default)
+        if d is None:
+            return None
+        ds = list(d) if isinstance(d, (list, tuple)) else [d]
+        return [x % ndim for x in ds]
+
+    # ---- rules -----------------------------------------------------------------------------
+    def pointwise(self, node, out):
+        ndim = out.dim()
+        found = None
+        tensors = [a for a in node.all_input_nodes if isinstance(example(a), Tensor)]
+        for a in tensors:
+            ax = self.tok(a)
+            if ax is not None:
+                aligned = ax + ndim - example(a).dim()
+                if found is not None and aligned != found:
+                    self.refuse(node, "its operands carry the sequence on different axes")
+                found = aligned
+        for a in tensors:
+            if self.tok(a) is None:
+                v = example(a)
+                d = found - (ndim - v.dim())
+                if d >= 0 and v.shape[d] != 1 and self.t > 1:
+                    self.refuse(node, f"operand {a.name} has its own sequence axis of length "
+                                      f"{v.shape[d]} (e.g. positions from arange); feed packed "
+                                      f"positions instead")
+        return found
+
+    def reduce(self, node, ax, inp):
+        dims = self.dim_arg(node, 1, "dim", inp.dim())
+        if dims is None or ax in dims:
+            self.refuse(node, "it reduces over the sequence axis")
+        keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+        return ax if keep else ax - sum(d < ax for d in dims)
+
+    def view(self, node, ax, inp, out):
+        prefix = math.prod(inp.shape[:ax])
+        for j in range(out.dim()):
+            if math.prod(out.shape[:j]) == prefix and out.shape[j] == inp.shape[ax]:
+                return j
+        self.refuse(node, f"it merges or splits the sequence axis ({tuple(inp.shape)} -> "
+                          f"{tuple(out.shape)})")
+
+    def permute(self, node, ax, inp):
+        name = _name(node)
+        if name in ("transpose", "swapaxes", "swapdims"):
+            d0, d1 = (d % inp.dim() for d in node.args[1:3])
+            return d1 if ax == d0 else d0 if ax == d1 else ax
+        if name == "t":
+            return 1 - ax
+        dims = node.args[1:] if name == "permute" else ()
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        dims = [d % inp.dim() for d in dims]
+        return dims.index(ax)
+
+    def getitem(self, node, out):
+        src, idx = node.args[0], node.args[1]
+        val = example(src)
+        if not isinstance(val, Tensor):  # tuple or list element
+            ax = self.tok(src)
+            return ax[idx] if isinstance(ax, (list, tuple)) else None
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        consumed = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        expanded = []
+        for i in idx:
+            if i is Ellipsis:
+                expanded += [slice(None)] * (val.dim() - consumed)
+            else:
+                expanded.append(i)
+        expanded += [slice(None)] * (val.dim() - sum(1 for i in expanded if i is not None))
+        src_ax, in_dim, out_dim, result = self.tok(src), 0, 0, None
+        tensor_index_seen = False
+        for i in expanded:
+            if i is None:
+                out_dim += 1
+                continue
+            if isinstance(i, fx.Node) and isinstance(example(i), Tensor):
+                if tensor_index_seen:
+                    self.refuse(node, "several tensor indices")
+                tensor_index_seen = True
+                if in_dim == src_ax:
+                    self.refuse(node, "it gathers along the sequence axis")
+                iax = self.tok(i)
+                if iax is not None:
+                    if src_ax is not None:
+                        self.refuse(node, "both the indexed tensor and the index carry tokens")
+                    result = out_dim + iax
+                out_dim += example(i).dim()
+                in_dim += 1
+                continue
+            if in_dim == src_ax:
+                if not (isinstance(i, slice) and i == slice(None)):
+                    self.refuse(node, f"it indexes the sequence axis with {i!r}")
+                result = out_dim
+            if isinstance(i, slice):
+                out_dim += 1
+            in_dim += 1
+        return result
+
+    def cat(self, node, out):
+        tensors = node.args[0]
+        name = _name(node)
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        axes = {self.tok(t) for t in tensors}
+        if None in axes and len(axes) > 1:
+            self.refuse(node, "it joins token data with a tensor that has its own sequence axis")
+        (ax,) = axes
+        ndim = example(tensors[0]).dim()
+        if name == "cat":
+            if dim % ndim == ax:
+                self.refuse(node, "it concatenates along the sequence axis")
+            return ax
+        dim = dim % (ndim + 1)
+        return ax if ax < dim else ax + 1
+
+    def split(self, node, ax, inp, out):
+        name = _name(node)
+        pos = {"chunk": 2, "split": 2, "tensor_split": 2, "unbind": 1}[name]
+        dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else 0) % inp.dim()
+        if dim == ax:
+            self.refuse(node, f"it splits along the sequence axis")
+        if name == "unbind":
+            return [ax if ax < dim else ax - 1] * len(out)
+        return [ax] * len(out)
+
+    def matmul(self, node):
+        a, b = node.args[0], node.args[1]
+        ea, eb = example(a), example(b)
+        ta, tb = self.tok(a), self.tok(b)
+        if ta is not None and tb is not None:
+            self.refuse(node, "both operands carry tokens (attention written by hand?)")
+        out = example(node)
+        if ta is not None:
+            if ta == ea.dim() - 1:
+                self.refuse(node, "it contracts over the sequence axis")
+            return out.dim() - (ea.dim() - ta)
+        if eb.dim() >= 2 and tb == eb.dim() - 2:
+            self.refuse(node, "it contracts over the sequence axis")
+        return out.dim() - (eb.dim() - tb)
+
+    # ---- driver ----------------------------------------------------------------------------
+    def visit(self, node: fx.Node):
+        if node.op in ("placeholder", "get_attr", "output"):
+            return self.axis.get(node)
+        inputs = node.all_input_nodes
+        if any(a in self.layout for a in inputs) and not _is_flex(node):
+            self.refuse(node, "it reads the packed-layout tables, which only attention may use")
+        carried = [a for a in inputs if self.tok(a) is not None]
+        if not carried:
+            return None
+        self.checked += 1
+        name, out = _name(node), example(node)
+        first = node.args[0] if node.args else None
+        inp = example(first) if isinstance(first, fx.Node) else None
+        ax = self.tok(first)
+        if _is_flex(node):
+            return [2, 2]  # (out [1, H, T, D], logsumexp [1, H, T])
+        if name in _SHAPE_QUERIES or not isinstance(out, (Tensor, list, tuple)):
+            return None
+        if name == "getitem":
+            return self.getitem(node, out)
+        if isinstance(out, (list, tuple)):
+            if name in ("chunk", "split", "tensor_split", "unbind") and ax is not None:
+                return self.split(node, ax, inp, out)
+            self.refuse(node, "no rule for this multi-output op")
+        if name in _POINTWISE:
+            return self.pointwise(node, out)
+        if name in ("cat", "stack", "concat", "concatenate"):
+            return self.cat(node, out)
+        if name in _MATMUL:
+            return self.matmul(node)
+        if name == "embedding":
+            ids = node.kwargs.get("input", node.args[0])
+            if self.tok(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")):
+                self.refuse(node, "the embedding table carries tokens")
+            return self.tok(ids)
+        if ax is None or any(a is not first for a in carried):
+            self.refuse(node, "token data reaches it through an argument it has no rule for")
+        if name == "linear":
+            if ax == inp.dim() - 1:
+                self.refuse(node, "it contracts over the sequence axis")
+            return ax
+        if name in ("rms_norm", "layer_norm", "group_norm_last"):
+            shape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+            if ax >= inp.dim() - len(shape):
+                self.refuse(node, "it normalises over the sequence axis")
+            return ax
+        if name in _REDUCE:
+            return self.reduce(node, ax, inp)
+        if name in _SAME_SHAPE_ALONG_DIM:
+            dims = self.dim_arg(node, 1, "dim", inp.dim())
+            if dims is None or ax in dims:
+                self.refuse(node, "it runs along the sequence axis")
+            return ax
+        if name in _VIEWS:
+            return self.view(node, ax, inp, out)
+        if name in _EXPANDS:
+            return ax + out.dim() - inp.dim()
+        if name in ("transpose", "swapaxes", "swapdims", "permute", "t"):
+            return self.permute(node, ax, inp)
+        self.refuse(node, "no locality rule for this op")
+
+    def run(self, graph: fx.Graph):
+        for node in graph.nodes:
+            ax = self.visit(node)
+            if ax is not None:
+                self.axis[node] = ax
+                out = example(node)
+                if isinstance(out, Tensor) and isinstance(ax, int) and out.shape[ax] != self.t:
+                    self.refuse(node, f"lost track of the sequence axis (axis {ax} of "
+                                      f"{tuple(out.shape)} is not T={self.t})")
+
+
+def _is_flex(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "flex_attention"
+
+
+def prove_token_locality(graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout) -> int:
+    """Raise Refusal unless every op on the token path is local. Returns ops checked."""
+    proof = _Proof(graph, tokens, positions, set(layout))
+    proof.run(graph)
+    counters["ops_proven_local"] += proof.checked
+    return proof.checked

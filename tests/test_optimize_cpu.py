@@ -1,0 +1,237 @@
+"""optimize(model) on CPU, fp64: logits, response logprobs and every parameter gradient of a
+GRPO-style loss against the unmodified model run row by row."""
+
+import pytest
+import torch
+
+import dualkv_compile as dk
+from dualkv_compile.testing import (
+    make_batch,
+    rel_err,
+    row_by_row_logits,
+    row_by_row_response_logprobs,
+    same_dtype_numerics,
+    tiny_model,
+)
+
+pytest.importorskip("transformers", reason="transformers is part of the test extra")
+FAMILIES = ["qwen2_5", "llama3_2", "hf_qwen3", "hf_llama"]
+TOL = 1e-10
+
+
+def batch(seed=0, vocab=101):
+    # three groups (prompts of 9, 5 and 1 valid tokens, left-padded), ragged and empty responses,
+    # rows shuffled so groups interleave
+    g = torch.Generator().manual_seed(seed)
+    tokens, mask, p = make_batch([9, 5, 1], [[6, 0, 11], [3, 3], [7]], shuffle=True,
+                                 vocab=vocab - 2, generator=g)
+    return tokens % vocab, mask, p
+
+
+def grpo_loss(lp, mask, prompt_len, advantages):
+    """Clipped-ratio surrogate at ratio 1 plus a KL-like square term: gradients touch every
+    response token with a row-dependent weight."""
+    valid = mask[:, prompt_len:].to(lp.dtype)
+    ratio = torch.exp(lp - lp.detach())
+    per_token = -advantages[:, None] * ratio + 0.05 * lp.pow(2)
+    return (per_token * valid).sum() / valid.sum()
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters():
+    dk.counters.clear()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_logprobs_and_gradients_match_row_by_row(family):
+    model = same_dtype_numerics(tiny_model(family)).double()
+    tokens, mask, p = batch()
+    wrapper = dk.optimize(model)
+
+    logits = wrapper(tokens, prompt_len=p, padding_mask=mask)
+    logits = logits.logits if hasattr(logits, "logits") else logits
+    ref_rows = row_by_row_logits(model, tokens, mask)
+    # torchtune's unembed returns float32 logits by design, even for a float64 model; the
+    # float64 comparison of the same computation is response_logprobs below
+    tol = TOL if logits.dtype == torch.float64 else 1e-6
+    for b, ref in enumerate(ref_rows):
+        assert rel_err(logits[b, mask[b]], ref.to(logits.dtype)) < tol, b
+    assert logits[~mask].abs().sum() == 0
+
+    advantages = torch.linspace(-1, 1, tokens.shape[0], dtype=torch.float64)
+    lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask, temperature=0.7)
+    assert lp.dtype == torch.float64 and lp.shape == (tokens.shape[0], tokens.shape[1] - p)
+    grpo_loss(lp, mask, p, advantages).backward()
+    ours = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+
+    ref = row_by_row_response_logprobs(model, tokens, mask, p, temperature=0.7)
+    assert rel_err(lp.detach(), ref.detach()) < TOL
+    assert lp[~mask[:, p:]].abs().sum() == 0
+    grpo_loss(ref, mask, p, advantages).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+        assert rel_err(ours[name], param.grad) < TOL, (name, rel_err(ours[name], param.grad))
+
+    assert dk.counters["attention_rewritten"] == 2 * 2  # 2 layers, in each of the 2 modes
+    assert dk.counters["lm_head_pruned"] == 1
+    assert dk.counters["dense_fallback"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unmodified_models_match_to_float32_rounding(family):
+    # the families' own norms/RoPE compute in float32; the packed result still agrees to that
+    model = tiny_model(family).double()
+    tokens, mask, p = batch(seed=1)
+    lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    ref = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert rel_err(lp.detach(), ref.detach()) < 1e-5
+
+
+def test_rewritten_graph_has_no_sdpa_and_no_lm_head():
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    tokens, mask, p = batch()
+    wrapper = dk.optimize(model)
+    seen = {}
+    real = dk.optimize.__globals__["chunked_logprobs"]
+
+    def spy(hidden, weight, targets, **kw):
+        seen["rows"] = hidden.shape[0]
+        return real(hidden, weight, targets, **kw)
+
+    dk.optimize.__globals__["chunked_logprobs"] = spy
+    try:
+        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    finally:
+        dk.optimize.__globals__["chunked_logprobs"] = real
+    gm = wrapper._backends["hidden"].last_graph
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any("scaled_dot_product_attention" in t for t in targets)
+    assert sum("flex_attention" in t for t in targets) == 2
+    assert not any("layout_anchor" in t for t in targets)
+    (out,) = gm.graph.output_node().args[0]
+    assert tuple(out.meta["example_value"].shape) == (1, 128, 32)  # hidden [1, T, d], no vocab
+    # the LM head ran on exactly the positions that predict response tokens
+    assert seen["rows"] == int(mask[:, p:].sum())
+
+
+def test_hf_model_mask_code_is_removed():
+    model = same_dtype_numerics(tiny_model("hf_qwen3")).double()
+    tokens, mask, p = batch()
+    wrapper = dk.optimize(model)
+    wrapper(tokens, prompt_len=p, padding_mask=mask)
+    gm = wrapper._backends["logits"].last_graph
+    names = {str(n.target) for n in gm.graph.nodes}
+    # transformers derives a mask from position_ids (cumsum/diff/arange); all of it is dead now
+    assert not any(x in " ".join(names) for x in ("cumsum", "diff", "arange"))
+    assert dk.counters["mask_nodes_removed"] > 0
+
+
+class _TimeMixer(torch.nn.Module):
+    """Mixes tokens outside attention: a causal running mean over the sequence."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) + x.cumsum(dim=1) * 0.01
+
+
+def mixing_model():
+    model = same_dtype_numerics(tiny_model("llama3_2")).double()
+    model.layers[1].mlp = _TimeMixer(model.layers[1].mlp)
+    return model
+
+
+def test_refusal_error_names_op_and_line():
+    from dualkv_compile.passes._common import Refusal
+
+    tokens, mask, p = batch()
+    wrapper = dk.optimize(mixing_model(), dk.DualKVConfig(fallback="error"))
+    with pytest.raises(Refusal, match=r"cumsum.*test_optimize_cpu\.py.*x\.cumsum\(dim=1\)"):
+        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_refusal_dense_fallback_runs_the_plain_model_logged_once(caplog):
+    model = mixing_model()
+    g = torch.Generator().manual_seed(3)
+    tokens, mask, p = make_batch([6], [[5, 5, 5]], vocab=99, generator=g)  # no padding
+    wrapper = dk.optimize(model, dk.DualKVConfig(fallback="dense"))
+    with caplog.at_level("WARNING", logger="dualkv_compile.optimize"):
+        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        lp2 = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    ref = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert rel_err(lp.detach(), ref.detach()) < TOL
+    assert torch.equal(lp, lp2)
+    assert dk.counters["dense_fallback"] == 1
+    assert "cumsum" in wrapper.dense_reason
+    assert len([r for r in caplog.records if "unoptimised" in r.message]) == 1
+
+
+def test_disabled_runs_the_plain_model():
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    tokens, mask, p = batch()
+    lp = dk.optimize(model, dk.DualKVConfig(enabled=False)).response_logprobs(
+        tokens, prompt_len=p, padding_mask=mask)
+    ref = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert rel_err(lp.detach(), ref.detach()) < TOL
+    assert dk.counters["graphs_compiled"] == 0
+
+
+def test_wrapper_shares_parameters_and_state_dict_keys():
+    model = tiny_model("qwen2_5")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapper = dk.optimize(model)
+    assert list(wrapper.state_dict()) == list(model.state_dict())
+    assert {id(p) for p in wrapper.parameters()} == {id(p) for p in model.parameters()}
+    tokens, mask, p = batch()
+    wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask).sum().backward()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model).forward is type(model).forward  # nothing patched on the class
+    model(tokens[:1], input_pos=torch.arange(tokens.shape[1])[None])  # model still usable
+    wrapper.load_state_dict(before)
+
+
+def test_one_compile_per_length_bucket():
+    model = tiny_model("qwen2_5")
+    wrapper = dk.optimize(model)
+    g = torch.Generator().manual_seed(4)
+    for responses in ([[5, 6]], [[7, 2]], [[100, 90]], [[95, 99]]):
+        tokens, mask, p = make_batch([20], responses, vocab=99, generator=g)
+        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert dk.counters["graphs_compiled"] == 2  # T=128 twice, T=256 twice
+
+
+def test_forward_accepts_the_models_own_arguments():
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    tokens, mask, p = batch()
+    wrapper = dk.optimize(model)
+    out = wrapper(input_ids=tokens, attention_mask=mask.long(), prompt_len=p)
+    ref = row_by_row_logits(model, tokens, mask)
+    assert rel_err(out.logits[0, mask[0]], ref[0]) < TOL
+    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    wrapper(input_ids=tokens, attention_mask=mask, position_ids=positions, prompt_len=p)
+    with pytest.raises(ValueError, match="positions differ"):
+        wrapper(input_ids=tokens, attention_mask=mask, position_ids=positions + 1, prompt_len=p)
+    with pytest.raises(ValueError, match=r"unsupported arguments.*'labels'"):
+        wrapper(input_ids=tokens, labels=tokens, prompt_len=p)
+
+
+def test_unsupported_models_are_named():
+    with pytest.raises(TypeError, match="got torch.nn.modules.linear.Linear"):
+        dk.optimize(torch.nn.Linear(2, 2))
+    import transformers as tf
+
+    cfg = tf.MistralConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           sliding_window=8)
+    model = tf.MistralForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="sliding windows"):
+        dk.optimize(model)
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'.*'eager'"):
+        dk.optimize(model)
