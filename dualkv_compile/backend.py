@@ -38,13 +38,15 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 class DualKVBackend:
     """One per (wrapper, mode). `template` (the BlockMask's as_tuple) is set before each call."""
 
-    def __init__(self, *, compiler: str, kernel_options: dict, vocab_size: int, mode: str):
+    def __init__(self, *, compiler: str, kernel_options: dict, vocab_size: int, mode: str,
+                 activation_memory_budget: float = 1.0):
         if mode not in ("logits", "hidden"):
             raise ValueError(f"mode={mode!r} must be 'logits' or 'hidden'")
         self.compiler = compiler
         self.kernel_options = validate_kernel_options(kernel_options)
         self.vocab_size = vocab_size
         self.mode = mode
+        self.activation_memory_budget = activation_memory_budget
         self.template = None
         self.last_graph: fx.GraphModule | None = None  # after the passes, for tests and the CLI
 
@@ -60,12 +62,13 @@ class DualKVBackend:
         gm.recompile()
         self.last_graph = gm
         counters["graphs_compiled"] += 1
-        if self.compiler == "inductor":
-            from torch._inductor.compile_fx import compile_fx
+        if self.compiler == "eager":
+            return gm.forward
+        with torch._functorch.config.patch(activation_memory_budget=self.activation_memory_budget):
+            if self.compiler == "inductor":
+                from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs)
-        if self.compiler == "aot_eager":
+                return compile_fx(gm, example_inputs)
             from torch._dynamo.backends.registry import lookup_backend
 
             return lookup_backend("aot_eager")(gm, example_inputs)
-        return gm.forward

@@ -27,6 +27,9 @@ class DualKVConfig:
     fallback: what a refusal of the passes does: "error" raises naming the op and its source
         line; "dense" runs the unoptimised model, logged once with the reason and counted.
     logprob_chunk_size: response positions per LM-head chunk in response_logprobs.
+    activation_memory_budget: fraction of the activations the compiled graph keeps for the
+        backward (1.0 keeps all); lower values make AOTAutograd's partitioner recompute the
+        rest, PyTorch's compile-time form of gradient checkpointing.
     """
 
     version: int = 1
@@ -36,6 +39,7 @@ class DualKVConfig:
     backend: str = "auto"
     fallback: str = "error"
     logprob_chunk_size: int = 1024
+    activation_memory_budget: float = 1.0
 
     def __post_init__(self):
         if self.version != 1:
@@ -50,6 +54,9 @@ class DualKVConfig:
             raise ValueError(f"fallback={self.fallback!r} is not one of {_FALLBACKS}")
         if not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size!r} must be a positive int")
+        budget = self.activation_memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+            raise ValueError(f"activation_memory_budget={budget!r} must be in (0, 1]")
         if not isinstance(self.kernel_options, dict):
             raise ValueError(f"kernel_options={self.kernel_options!r} must be a dict")
         validate_kernel_options(self.kernel_options)

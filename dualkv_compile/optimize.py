@@ -90,7 +90,8 @@ class DualKVModel(nn.Module):
         if mode not in self._compiled:
             self._backends[mode] = DualKVBackend(
                 compiler=self._compiler(device), kernel_options=self.config.kernel_options,
-                vocab_size=self._adapter.lm_head_weight(self.model).shape[0], mode=mode)
+                vocab_size=self._adapter.lm_head_weight(self.model).shape[0], mode=mode,
+                activation_memory_budget=self.config.activation_memory_budget)
             self._compiled[mode] = torch.compile(
                 functools.partial(self._traced, mode), backend=self._backends[mode],
                 fullgraph=True, dynamic=False)

@@ -168,28 +168,30 @@ def same_dtype_numerics(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def tiny_model(family: str, *, vocab: int = 101, seed: int = 0) -> torch.nn.Module:
-    """A tiny random decoder of one family: 'qwen2_5' and 'llama3_2' (torchtune builders),
-    'hf_qwen3' and 'hf_llama' (transformers, attn_implementation='sdpa'). 2 layers, GQA 4/2."""
+def tiny_model(family: str, *, vocab: int = 101, seed: int = 0, dim: int = 32,
+               max_seq_len: int = 512) -> torch.nn.Module:
+    """A small random decoder of one family: 'qwen2_5' and 'llama3_2' (torchtune builders),
+    'hf_qwen3' and 'hf_llama' (transformers, attn_implementation='sdpa'). 2 layers, 4 query
+    heads, 2 key/value heads, head dim dim // 4."""
     torch.manual_seed(seed)
     if family == "qwen2_5":
         from torchtune.models.qwen2._component_builders import qwen2
 
-        return qwen2(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
-                     intermediate_dim=64, max_seq_len=512, tie_word_embeddings=True)
+        return qwen2(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=dim,
+                     intermediate_dim=2 * dim, max_seq_len=max_seq_len, tie_word_embeddings=True)
     if family == "llama3_2":
         from torchtune.models.llama3_2._component_builders import llama3_2
 
         return llama3_2(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2,
-                        embed_dim=32, intermediate_dim=64, max_seq_len=512)
+                        embed_dim=dim, intermediate_dim=2 * dim, max_seq_len=max_seq_len)
     if family in ("hf_qwen3", "hf_llama"):
         import transformers as tf
 
-        common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+        common = dict(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512)
+                      max_position_embeddings=max_seq_len)
         if family == "hf_qwen3":
-            cfg = tf.Qwen3Config(head_dim=8, **common)
+            cfg = tf.Qwen3Config(head_dim=dim // 4, **common)
             model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
         else:
             cfg = tf.LlamaConfig(**common)

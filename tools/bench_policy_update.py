@@ -1,0 +1,182 @@
+"""Policy-update benchmark: one GRPO step (response logprobs forward, backward of the loss,
+AdamW step) of a Qwen3-8B-shaped decoder with random weights, optimize(model) against the same
+model run plainly (its best SDPA backend: cuDNN, else flash). Not a test.
+
+    python -m dualkv_compile.tools.bench_policy_update --layers 4 --out docs/results/policy_update_h100
+
+Both sides save memory by recomputation: the plain model with transformers' gradient
+checkpointing, the optimized one with AOTAutograd's activation_memory_budget. Useful FLOPs count
+the packed computation (each prompt once): 6 x params per token for the layers, 12 x D x Hq per
+causal pair for attention, 6 x V x d per predicted response token; MFU divides by the bf16
+dense peak given by --peak-tflops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import dualkv_compile as dk
+
+DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]
+
+
+def parse_shape(text):
+    try:
+        n, p, r = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} must be N,P,R")
+    return n, p, r
+
+
+def build_model(layers: int, vocab: int):
+    import transformers as tf
+
+    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=4096, intermediate_size=12288,
+                         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
+    with torch.device("cuda"):
+        model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa",
+                                                 torch_dtype=torch.bfloat16)
+    return model.train()
+
+
+def useful_flops(model, n, p, r) -> float:
+    cfg = model.config
+    d, v = cfg.hidden_size, cfg.vocab_size
+    layer_params = sum(q.numel() for q in model.model.layers.parameters())
+    packed_tokens = p + n * r
+    pairs = p * (p + 1) // 2 + n * (p * r + r * (r + 1) // 2)
+    attn = 12 * cfg.head_dim * cfg.num_attention_heads * pairs * cfg.num_hidden_layers
+    return 6 * layer_params * packed_tokens + attn + 6 * v * d * n * r
+
+
+def grpo_loss(lp, mask, p, adv):
+    valid = mask[:, p:].float()
+    return ((-adv[:, None] * torch.exp(lp - lp.detach()) + 0.04 * lp.pow(2)) * valid).sum() / valid.sum()
+
+
+def run_variant(name, model, wrapper, tokens, mask, p, adv, opt, steps, warmup):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    t_first = time.perf_counter()
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        grpo_loss(lp, mask, p, adv).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i == 0:
+            first = time.perf_counter() - t_first
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "first_step_s": first}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", type=parse_shape, nargs="+",
+                    default=[parse_shape(s) for s in DEFAULT_SHAPES], metavar="N,P,R")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--memory-budget", type=float, default=0.5,
+                    help="activation_memory_budget of the optimized model")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="bf16 dense peak for MFU (H100 SXM: 989)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("this benchmark needs a CUDA GPU")
+    import transformers
+    import triton
+
+    model = build_model(args.layers, args.vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "layers": args.layers,
+            "vocab": args.vocab, "dtype": "bfloat16", "steps": args.steps,
+            "warmup": args.warmup, "memory_budget": args.memory_budget,
+            "params": sum(q.numel() for q in model.parameters()),
+            "peak_tflops": args.peak_tflops}
+    rows = []
+    for n, p, r in args.shapes:
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(1, 150000, (1, p), generator=g).expand(n, p)
+        tokens = torch.cat([prompt, torch.randint(1, 150000, (n, r), generator=g)], 1).cuda()
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        adv = torch.randn(n, generator=g).cuda()
+        packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
+        row = {"N": n, "P": p, "R": r, "rho": packed.rho, "T": packed.seq_len,
+               "useful_tflop": useful_flops(model, n, p, r) / 1e12}
+        variants = {
+            "plain": (True, dk.optimize(model, dk.DualKVConfig(enabled=False))),
+            "dualkv": (False, dk.optimize(model, dk.DualKVConfig(
+                activation_memory_budget=args.memory_budget))),
+        }
+        for name, (checkpointing, wrapper) in variants.items():
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_disable()
+            try:
+                res = run_variant(name, model, wrapper, tokens, mask, p, adv, opt,
+                                  args.steps, args.warmup)
+                res["tokens_per_s"] = n * (p + r) / (res["step_ms"] / 1e3)
+                res["mfu_useful"] = row["useful_tflop"] / (res["step_ms"] / 1e3) / args.peak_tflops
+            except torch.OutOfMemoryError:
+                res = {"step_ms": None, "error": "OOM"}
+                opt.zero_grad(set_to_none=True)
+            row[name] = res
+            print(json.dumps({"shape": [n, p, r], name: res}), flush=True)
+        if row["plain"]["step_ms"] and row["dualkv"]["step_ms"]:
+            row["speedup"] = row["plain"]["step_ms"] / row["dualkv"]["step_ms"]
+            row["speedup_over_rho"] = row["speedup"] / row["rho"]
+        rows.append(row)
+    table = markdown(meta, rows)
+    print(table)
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(table)
+
+
+def _f(x, spec):
+    return "OOM" if x is None else format(x, spec)
+
+
+def markdown(meta, rows):
+    head = (f"GRPO policy update (response logprobs fwd + bwd + AdamW), Qwen3-8B-shaped decoder "
+            f"with {meta['layers']} layers ({meta['params'] / 1e9:.2f}B params incl. embeddings, "
+            f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
+            f"{meta['triton']}, transformers {meta['transformers']}; median of {meta['steps']} "
+            f"steps after {meta['warmup']} warm-up. Plain: transformers gradient checkpointing, "
+            f"SDPA. dualkv: activation_memory_budget={meta['memory_budget']}.\n\n")
+    cols = ["N", "P", "R", "rho", "plain ms", "dualkv ms", "speed-up", "speed-up/rho",
+            "plain GiB", "dualkv GiB", "plain tok/s", "dualkv tok/s", "plain MFU", "dualkv MFU"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        a, b = r["plain"], r["dualkv"]
+        lines.append("| " + " | ".join([
+            str(r["N"]), str(r["P"]), str(r["R"]), f"{r['rho']:.2f}",
+            _f(a["step_ms"], ".0f"), _f(b["step_ms"], ".0f"), _f(r.get("speedup"), ".2f"),
+            _f(r.get("speedup_over_rho"), ".2f"), _f(a.get("peak_gib"), ".1f"),
+            _f(b.get("peak_gib"), ".1f"), _f(a.get("tokens_per_s"), ".0f"),
+            _f(b.get("tokens_per_s"), ".0f"), _f(a.get("mfu_useful"), ".1%"),
+            _f(b.get("mfu_useful"), ".1%")]) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
