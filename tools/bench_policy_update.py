@@ -112,8 +112,8 @@ def main(argv=None):
     rows = []
     for n, p, r in args.shapes:
         g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(1, 150000, (1, p), generator=g).expand(n, p)
-        tokens = torch.cat([prompt, torch.randint(1, 150000, (n, r), generator=g)], 1).cuda()
+        prompt = torch.randint(1, args.vocab, (1, p), generator=g).expand(n, p)
+        tokens = torch.cat([prompt, torch.randint(1, args.vocab, (n, r), generator=g)], 1).cuda()
         mask = torch.ones_like(tokens, dtype=torch.bool)
         adv = torch.randn(n, generator=g).cuda()
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
