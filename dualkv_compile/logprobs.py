@@ -47,11 +47,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
             # d logprob / d logits = onehot(target) - softmax, scaled by 1/temperature
             g = -torch.exp(logits - lse[s:s + chunk, None])
             g.scatter_add_(1, targets[s:s + chunk, None], torch.ones_like(g[:, :1]))
-            g = g * (grad_out[s:s + chunk, None] / t)
+            # the matmuls run in the model's dtype (tensor cores for bf16; they accumulate in
+            # fp32), the per-chunk weight gradients are summed in the wide dtype
+            g = (g * (grad_out[s:s + chunk, None] / t)).to(weight.dtype)
             if grad_h is not None:
-                grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[s:s + chunk] = (g @ weight).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += g.T @ h.to(wide)
+                grad_w += (g.T @ h.to(weight.dtype)).to(wide)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None

@@ -94,6 +94,9 @@ def main(argv=None):
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="bf16 dense peak for MFU (H100 SXM: 989)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timings, profile one step of each variant at the first "
+                         "shape and print the kernels that take the most GPU time")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
@@ -143,6 +146,14 @@ def main(argv=None):
             row["speedup"] = row["plain"]["step_ms"] / row["dualkv"]["step_ms"]
             row["speedup_over_rho"] = row["speedup"] / row["rho"]
         rows.append(row)
+        if args.profile and len(rows) == 1:
+            for name, (checkpointing, wrapper) in variants.items():
+                if checkpointing:
+                    model.gradient_checkpointing_enable(
+                        gradient_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    model.gradient_checkpointing_disable()
+                profile_step(name, wrapper, tokens, mask, p, adv, opt)
     table = markdown(meta, rows)
     print(table)
     if args.out:
@@ -150,6 +161,19 @@ def main(argv=None):
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(table)
+
+
+def profile_step(name, wrapper, tokens, mask, p, adv, opt):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        grpo_loss(lp, mask, p, adv).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    print(f"--- profile: {name} ---")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
 
 
 def _f(x, spec):

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from dualkv_compile.logprobs import chunked_logprobs
+from dualkv_compile.testing import rel_err
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_matches_full_log_softmax_with_gradients(chunk, temperature):
+    g = torch.Generator().manual_seed(chunk)
+    h = torch.randn(7, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (7,), generator=g)
+    cot = torch.randn(7, dtype=torch.float64, generator=g)
+    ours = chunked_logprobs(h, w, t, temperature=temperature, chunk_size=chunk)
+    dh, dw = torch.autograd.grad((ours * cot).sum(), (h, w))
+    ref = ((h @ w.T) / temperature).log_softmax(-1).gather(1, t[:, None])[:, 0]
+    rh, rw = torch.autograd.grad((ref * cot).sum(), (h, w))
+    assert ours.dtype == torch.float64
+    assert rel_err(ours, ref) < 1e-13
+    assert rel_err(dh, rh) < 1e-13 and rel_err(dw, rw) < 1e-13
+
+
+def test_bf16_inputs_give_float32():
+    h = torch.randn(4, 8).bfloat16()
+    w = torch.randn(11, 8).bfloat16()
+    out = chunked_logprobs(h, w, torch.tensor([0, 3, 10, 2]))
+    assert out.dtype == torch.float32 and (out <= 0).all()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="temperature=0"):
+        chunked_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long),
+                         temperature=0)
+    with pytest.raises(ValueError, match=r"got \(2, 3\) and \(4, 5\)"):
+        chunked_logprobs(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, dtype=torch.long))
