@@ -148,6 +148,23 @@ def _contiguous_runs(valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return first, length, (valid == expected).all(1)
 
 
+def _row_classes(key: Tensor) -> Tensor:
+    """Class id of each row of `key` [B, K] (equal rows share one). A polynomial hash per row,
+    then an exact check of every row against its class's first row; torch.unique(dim=0), a
+    lexicographic sort of whole rows, only if two different rows ever share a hash."""
+    weights = torch.randint(1, 2**61, (key.shape[1],), generator=_HASH_GEN).to(key.device)
+    h = (key.long() * weights).sum(1)  # wraps around in int64: a hash, checked below
+    _, inverse = torch.unique(h, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), key.shape[0], dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(key.shape[0], device=key.device), "amin")
+    if bool((key == key[first[inverse]]).all()):
+        return inverse
+    return torch.unique(key, dim=0, return_inverse=True)[1]
+
+
+_HASH_GEN = torch.Generator().manual_seed(0x5EED)
+
+
 def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: int) -> Tensor:
     """Group id of each row (numbered by first appearance): rows with equal valid prompts."""
     b = tokens.shape[0]
@@ -156,7 +173,7 @@ def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: in
     aligned = tokens[:, :prompt_len].gather(1, src)
     aligned = torch.where(cols < length[:, None], aligned, torch.zeros_like(aligned))
     key = torch.cat([length[:, None], aligned], dim=1)  # the length disambiguates the filler
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    inverse = _row_classes(key)
     first_row = torch.full((b,), b, dtype=torch.long, device=tokens.device)
     first_row = first_row.scatter_reduce(0, inverse, torch.arange(b, device=tokens.device), "amin")
     order = torch.argsort(first_row[: int(inverse.max()) + 1])

@@ -168,3 +168,17 @@ def test_pack_checks_shapes():
         pb.pack(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="token axis 1 of size 128"):
         pb.unpack(torch.zeros(1, 127))
+
+
+def test_group_detection_survives_hash_collisions(monkeypatch):
+    from dualkv_compile import packing
+
+    tokens, mask, p = make_batch([4, 4, 6], [[2, 2], [3], [1, 1]], shuffle=True, generator=gen(9))
+    expected = pack(tokens, prompt_len=p, padding_mask=mask).group_ids
+    real = torch.randint
+    # every row hashes to 0: the exact check must notice and fall back to comparing rows
+    monkeypatch.setattr(packing.torch, "randint",
+                        lambda *a, **k: real(*a, **k) * 0 if k.get("generator") is packing._HASH_GEN
+                        else real(*a, **k))
+    assert torch.equal(pack(tokens, prompt_len=p, padding_mask=mask).group_ids, expected)
+    assert pack(tokens, prompt_len=p, padding_mask=mask).num_groups == 3
