@@ -67,7 +67,7 @@ def dense_variant(backend, q, k, v, gout):
     raise RuntimeError(f"SDPA backend {backend} cannot run this shape: {last}")
 
 
-def run_shape(n, p, r, hq, hkv, d, warmup_ms, rep_ms):
+def run_shape(n, p, r, hq, hkv, d, warmup_ms, rep_ms, layouts=False):
     dev, dt = "cuda", torch.bfloat16
     length = p + r
     tokens = torch.cat([torch.randint(1, 1000, (1, p)).expand(n, p),
@@ -115,11 +115,22 @@ def run_shape(n, p, r, hq, hkv, d, warmup_ms, rep_ms):
     def ours_dynamic():  # the same op compiled with a symbolic T, for comparison
         _flex_attention(qp, kp, vp, pb, None, None, dynamic=True).backward(gp)
 
-    for name, fn_ in (("ours", ours), ("ours_dynamic", ours_dynamic)):
+    # the layout a model hands over: [1, T, H, D] projections viewed as [1, H, T, D]
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (qp, kp, vp))
+    gt = gp.transpose(1, 2).contiguous()
+
+    def ours_transposed():
+        shared_prefix_attention(qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2),
+                                pb).backward(gt.transpose(1, 2))
+
+    variants = [("ours", ours), ("ours_dynamic", ours_dynamic)]
+    if layouts:
+        variants.append(("ours_transposed", ours_transposed))
+    for name, fn_ in variants:
         t3 = time.perf_counter()
         fn_()  # compiles: once per T for the static op, once or twice in all for the dynamic
         torch.cuda.synchronize()
-        ms = bench(fn_, [qp, kp, vp], warmup_ms, rep_ms)
+        ms = bench(fn_, [qp, kp, vp, qt, kt, vt], warmup_ms, rep_ms)
         row[name] = {"ms": ms, "tflops": packed_pairs * flop_per_pair / ms / 1e9,
                      "first_call_s": time.perf_counter() - t3}
     ms = row["ours"]["ms"]
@@ -130,7 +141,7 @@ def run_shape(n, p, r, hq, hkv, d, warmup_ms, rep_ms):
     for b in ("flash", "cudnn"):
         if row[f"dense_{b}"]["ms"]:
             row[f"speedup_vs_{b}"] = row[f"dense_{b}"]["ms"] / ms
-    del qp, kp, vp, gp
+    del qp, kp, vp, gp, qt, kt, vt, gt
     torch.cuda.empty_cache()
     return row
 
@@ -171,6 +182,8 @@ def main(argv=None):
     ap.add_argument("--warmup-ms", type=int, default=200)
     ap.add_argument("--rep-ms", type=int, default=1000)
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also time ours on [1, T, H, D] tensors viewed as [1, H, T, D]")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
@@ -187,7 +200,7 @@ def main(argv=None):
     rows = []
     for n, p, r in args.shapes:
         row = run_shape(n, p, r, args.heads, args.kv_heads, args.head_dim,
-                        args.warmup_ms, args.rep_ms)
+                        args.warmup_ms, args.rep_ms, layouts=args.layouts)
         print(json.dumps(row), flush=True)
         rows.append(row)
     table = markdown(meta, rows)
