@@ -89,7 +89,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--memory-budget", type=float, default=0.5,
+    ap.add_argument("--memory-budget", type=float, default=1.0,
                     help="activation_memory_budget of the optimized model")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="bf16 dense peak for MFU (H100 SXM: 989)")
