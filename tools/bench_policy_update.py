@@ -93,6 +93,8 @@ def main(argv=None):
                     help="activation_memory_budget of the optimized model")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="bf16 dense peak for MFU (H100 SXM: 989)")
+    ap.add_argument("--plain-checkpointing", choices=["on", "off"], default="on",
+                    help="transformers gradient checkpointing for the plain model")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, profile one step of each variant at the first "
@@ -111,7 +113,7 @@ def main(argv=None):
             "vocab": args.vocab, "dtype": "bfloat16", "steps": args.steps,
             "warmup": args.warmup, "memory_budget": args.memory_budget,
             "params": sum(q.numel() for q in model.parameters()),
-            "peak_tflops": args.peak_tflops}
+            "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing}
     rows = []
     for n, p, r in args.shapes:
         g = torch.Generator().manual_seed(0)
@@ -123,7 +125,8 @@ def main(argv=None):
         row = {"N": n, "P": p, "R": r, "rho": packed.rho, "T": packed.seq_len,
                "useful_tflop": useful_flops(model, n, p, r) / 1e12}
         variants = {
-            "plain": (True, dk.optimize(model, dk.DualKVConfig(enabled=False))),
+            "plain": (args.plain_checkpointing == "on",
+                      dk.optimize(model, dk.DualKVConfig(enabled=False))),
             "dualkv": (False, dk.optimize(model, dk.DualKVConfig(
                 activation_memory_budget=args.memory_budget))),
         }
@@ -185,8 +188,9 @@ def markdown(meta, rows):
             f"with {meta['layers']} layers ({meta['params'] / 1e9:.2f}B params incl. embeddings, "
             f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
             f"{meta['triton']}, transformers {meta['transformers']}; median of {meta['steps']} "
-            f"steps after {meta['warmup']} warm-up. Plain: transformers gradient checkpointing, "
-            f"SDPA. dualkv: activation_memory_budget={meta['memory_budget']}.\n\n")
+            f"steps after {meta['warmup']} warm-up. Plain: SDPA, transformers gradient "
+            f"checkpointing {meta.get('plain_checkpointing', 'on')}. dualkv: "
+            f"activation_memory_budget={meta['memory_budget']}.\n\n")
     cols = ["N", "P", "R", "rho", "plain ms", "dualkv ms", "speed-up", "speed-up/rho",
             "plain GiB", "dualkv GiB", "plain tok/s", "dualkv tok/s", "plain MFU", "dualkv MFU"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
