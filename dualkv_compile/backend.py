@@ -68,11 +68,7 @@ class DualKVBackend:
             if self.compiler == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                # Prologue fusion pulls the RoPE math (cos/sin, cat) into the flex template's
-                # K/Q loads, recomputing it in the inner loop: the attention kernel ran ~4x
-                # slower on an H100 (docs/results/policy_update_h100.md).
-                with torch._inductor.config.patch(prologue_fusion=False):
-                    return compile_fx(gm, example_inputs)
+                return compile_fx(gm, example_inputs)
             from torch._dynamo.backends.registry import lookup_backend
 
             return lookup_backend("aot_eager")(gm, example_inputs)

@@ -235,3 +235,36 @@ def test_unsupported_models_are_named():
     model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'.*'eager'"):
         dk.optimize(model)
+
+
+class _ArangePositions(torch.nn.Module):
+    """Adds a signal built from arange over the sequence: positions not fed from the layout."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], dtype=x.dtype)
+        return self.inner(x) + 0.01 * pos[None, :, None]
+
+
+def test_positions_made_inside_the_model_are_refused():
+    from dualkv_compile.passes._common import Refusal
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].mlp = _ArangePositions(model.layers[0].mlp)
+    tokens, mask, p = batch()
+    with pytest.raises(Refusal, match=r"own sequence axis.*feed packed positions"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_attention_dropout_is_refused():
+    from dualkv_compile.passes._common import Refusal
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double().train()
+    for layer in model.layers:
+        layer.attn.attn_dropout = 0.1
+    tokens, mask, p = batch()
+    with pytest.raises(Refusal, match="dropout_p=0.1"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)

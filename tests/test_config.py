@@ -1,0 +1,44 @@
+import pytest
+
+from dualkv_compile import DualKVConfig
+from dualkv_compile.backend import pass_uuids
+
+
+def test_json_round_trip():
+    cfg = DualKVConfig(pad_to=256, kernel_options={"BLOCK_M": 64}, backend="aot_eager",
+                       fallback="dense", logprob_chunk_size=7, activation_memory_budget=0.5)
+    again = DualKVConfig.from_json(cfg.to_json())
+    assert again == cfg
+    assert DualKVConfig.from_json(DualKVConfig().to_json()) == DualKVConfig()
+
+
+def test_frozen():
+    with pytest.raises(Exception, match="cannot assign"):
+        DualKVConfig().pad_to = 256
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"version": 2}, "version=2"),
+    ({"enabled": 1}, "enabled=1 must be a bool"),
+    ({"pad_to": 100}, "pad_to=100 must be a positive multiple of 128"),
+    ({"backend": "tvm"}, "backend='tvm' is not one of"),
+    ({"fallback": "ignore"}, "fallback='ignore' is not one of"),
+    ({"logprob_chunk_size": 0}, "logprob_chunk_size=0"),
+    ({"activation_memory_budget": 0}, "activation_memory_budget=0 must be in"),
+    ({"activation_memory_budget": 1.5}, "activation_memory_budget=1.5 must be in"),
+    ({"kernel_options": {"BLOK_M": 64}}, "unknown kernel option 'BLOK_M'"),
+])
+def test_validation_names_the_bad_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DualKVConfig(**kwargs)
+
+
+def test_unknown_json_fields_are_named():
+    with pytest.raises(ValueError, match=r"unknown DualKVConfig fields \['colour'\]"):
+        DualKVConfig.from_json('{"colour": "red"}')
+
+
+def test_each_pass_has_a_source_derived_uuid():
+    ids = pass_uuids()
+    assert set(ids) == {"attention_rewrite", "token_locality", "lm_head"}
+    assert len(set(ids.values())) == 3 and all(len(v) == 64 for v in ids.values())
