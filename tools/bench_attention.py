@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
@@ -22,18 +21,10 @@ import torch.nn.functional as F
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention import _flex_attention
 from dualkv_compile.block_mask import shared_prefix_block_mask
+from dualkv_compile.tools._common import add_shapes_argument, environment
 
 DEFAULT_SHAPES = ["16,2048,512", "32,4096,1024", "32,8192,1024", "16,8192,2048", "64,2048,512"]
 
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    try:
-        n, p, r = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be N,P,R (three integers)")
-    if min(n, p, r) < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: N, P, R must be positive")
-    return n, p, r
 
 
 def bench(fn, grads, warmup_ms, rep_ms) -> float:
@@ -174,8 +165,7 @@ def markdown(meta, rows) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", type=parse_shape, nargs="+",
-                    default=[parse_shape(s) for s in DEFAULT_SHAPES], metavar="N,P,R")
+    add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -189,14 +179,8 @@ def main(argv=None):
         ap.error("this benchmark needs a CUDA GPU")
     if args.heads % args.kv_heads:
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
-    import triton
-
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-            "dtype": "bfloat16", "hq": args.heads, "hkv": args.kv_heads, "d": args.head_dim,
-            "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
-            "capability": list(torch.cuda.get_device_capability())}
+    meta = {**environment(), "dtype": "bfloat16", "hq": args.heads, "hkv": args.kv_heads,
+            "d": args.head_dim, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
     rows = []
     for n, p, r in args.shapes:
         row = run_shape(n, p, r, args.heads, args.kv_heads, args.head_dim,

@@ -2,7 +2,7 @@
 AdamW step) of a Qwen3-8B-shaped decoder with random weights, optimize(model) against the same
 model run plainly (its best SDPA backend: cuDNN, else flash). Not a test.
 
-    python -m dualkv_compile.tools.bench_policy_update --layers 4 --out docs/results/policy_update_h100
+    python -m dualkv_compile.tools.bench_policy_update --out docs/results/policy_update_h100
 
 Both sides save memory by recomputation: the plain model with transformers' gradient
 checkpointing, the optimized one with AOTAutograd's activation_memory_budget. Useful FLOPs count
@@ -21,16 +21,10 @@ import time
 import torch
 
 import dualkv_compile as dk
+from dualkv_compile.tools._common import add_shapes_argument, environment
 
 DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]
 
-
-def parse_shape(text):
-    try:
-        n, p, r = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} must be N,P,R")
-    return n, p, r
 
 
 def build_model(layers: int, vocab: int):
@@ -83,9 +77,8 @@ def run_variant(name, model, wrapper, tokens, mask, p, adv, opt, steps, warmup):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", type=parse_shape, nargs="+",
-                    default=[parse_shape(s) for s in DEFAULT_SHAPES], metavar="N,P,R")
-    ap.add_argument("--layers", type=int, default=4)
+    add_shapes_argument(ap, DEFAULT_SHAPES)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
@@ -103,13 +96,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
     import transformers
-    import triton
 
     model = build_model(args.layers, args.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "transformers": transformers.__version__, "layers": args.layers,
+    meta = {**environment(), "transformers": transformers.__version__, "layers": args.layers,
             "vocab": args.vocab, "dtype": "bfloat16", "steps": args.steps,
             "warmup": args.warmup, "memory_budget": args.memory_budget,
             "params": sum(q.numel() for q in model.parameters()),
