@@ -1,11 +1,12 @@
 """Policy-update benchmark: one GRPO step (response logprobs forward, backward of the loss,
 AdamW step) of a Qwen3-8B-shaped decoder with random weights, optimize(model) against the same
-model run plainly (its best SDPA backend: cuDNN, else flash). Not a test.
+model run plainly (PyTorch's SDPA dispatch, which picks cuDNN on an H100). Not a test.
 
     python -m dualkv_compile.tools.bench_policy_update --out docs/results/policy_update_h100
 
-Both sides save memory by recomputation: the plain model with transformers' gradient
-checkpointing, the optimized one with AOTAutograd's activation_memory_budget. Useful FLOPs count
+The plain model uses transformers' gradient checkpointing (--plain-checkpointing off to
+compare without); the optimized one keeps all activations unless --memory-budget < 1 makes
+AOTAutograd recompute some. Useful FLOPs count
 the packed computation (each prompt once): 6 x params per token for the layers, 12 x D x Hq per
 causal pair for attention, 6 x V x d per predicted response token; MFU divides by the bf16
 dense peak given by --peak-tflops.
