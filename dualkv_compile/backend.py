@@ -49,15 +49,21 @@ class DualKVBackend:
         self.activation_memory_budget = activation_memory_budget
         self.template = None
         self.last_graph: fx.GraphModule | None = None  # after the passes, for tests and the CLI
+        self.observer = None  # observer(stage, graph_module) after each pass: the CLI's view
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         gm = _copy(gm)  # Dynamo's graph belongs to Dynamo; edit a copy
+        observe = self.observer or (lambda stage, graph_module: None)
+        observe("traced", gm)
         anchor = attention_rewrite.find_anchor(gm.graph)
         tokens, positions, tables = anchor.args
         attention_rewrite.rewrite_attention(gm, self.template, self.kernel_options)
+        observe("attention_rewrite", gm)
         token_locality.prove_token_locality(gm.graph, tokens, positions, tables)
+        observe("token_locality", gm)
         if self.mode == "hidden":
             lm_head.prune_lm_head(gm.graph, self.vocab_size)
+            observe("lm_head", gm)
         gm.graph.lint()
         gm.recompile()
         self.last_graph = gm

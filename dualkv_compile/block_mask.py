@@ -16,7 +16,13 @@ from torch import Tensor
 
 from .packing import PackedBatch
 
-__all__ = ["BLOCK_SIZE", "shared_prefix_block_mask", "shared_prefix_mask_mod", "dense_mask"]
+__all__ = [
+    "BLOCK_SIZE",
+    "block_classes",
+    "dense_mask",
+    "shared_prefix_block_mask",
+    "shared_prefix_mask_mod",
+]
 
 BLOCK_SIZE = 128
 _CHUNK_ELEMENTS = 1 << 24  # bound on the [q-blocks, BLOCK, kv-blocks] work tensors
@@ -88,6 +94,12 @@ def _classify_blocks(packed: PackedBatch, device) -> tuple[Tensor, Tensor]:
         full[s] = all_q
         partial[s] = any_q & ~all_q
     return partial, full
+
+
+def block_classes(packed: PackedBatch, device="cpu") -> Tensor:
+    """[Qb, Kb] uint8: 0 = skipped, 1 = partial, 2 = full (for drawings and statistics)."""
+    partial, full = _classify_blocks(packed, torch.device(device))
+    return partial.to(torch.uint8) + 2 * full.to(torch.uint8)
 
 
 def _to_indices(blocks: Tensor) -> tuple[Tensor, Tensor]:

@@ -62,6 +62,7 @@ class DualKVModel(nn.Module):
         self._compiled: dict[str, object] = {}
         self._backends: dict[str, DualKVBackend] = {}
         self.dense_reason: str | None = None  # set when fallback="dense" took over
+        self._observer = None  # handed to the backends: see DualKVBackend.observer
 
     # ---- the model's identity -------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -92,6 +93,7 @@ class DualKVModel(nn.Module):
                 compiler=self._compiler(device), kernel_options=self.config.kernel_options,
                 vocab_size=self._adapter.lm_head_weight(self.model).shape[0], mode=mode,
                 activation_memory_budget=self.config.activation_memory_budget)
+            self._backends[mode].observer = self._observer
             self._compiled[mode] = torch.compile(
                 functools.partial(self._traced, mode), backend=self._backends[mode],
                 fullgraph=True, dynamic=False)

@@ -25,10 +25,13 @@ def source_line(node: fx.Node) -> str:
     """'file:line  code' of the user code that produced `node`, or its name."""
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{lines[i]}: {code}"
+    frames = [(lines[i], lines[i + 1] if i + 1 < len(lines) else "")
+              for i in range(len(lines)) if lines[i].startswith("File ")]
+    # the innermost frame outside torch itself: the model's own line, not F.linear's
+    own = [f for f in frames if "/torch/" not in f[0].replace("\\", "/")]
+    if own or frames:
+        where, code = (own or frames)[-1]
+        return f"{where}: {code}"
     return f"node {node.name} ({node.target})"
 
 

@@ -1,0 +1,151 @@
+"""The dualkv CLI on CPU: inspect, mask and plan on tiny models, errors, help and the flag set."""
+
+import json
+import struct
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from dualkv_compile import pack
+from dualkv_compile.block_mask import BLOCK_SIZE, dense_mask
+from dualkv_compile.testing import make_batch
+from dualkv_compile.tools.cli import build_parser, main
+from dualkv_compile.tools.plan_cmd import estimate
+
+pytest.importorskip("transformers", reason="transformers is part of the test extra")
+
+
+def test_inspect_shows_each_pass_and_writes_graphs_and_svg(tmp_path, capsys):
+    assert main(["inspect", "--model", "qwen2_5", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    sections = {part.split(" (")[0]: part for part in out.split("\n== ")}
+    before = sections["graph traced by Dynamo"]
+    after = sections["after the attention rewrite"]
+    assert before.count("= scaled_dot_product_attention(") == 2
+    assert "= scaled_dot_product_attention(" not in after  # as an op; source comments keep the line
+    assert after.count("higher_order.flex_attention(") == 2
+    assert "== after the LM-head cut" in out
+    assert "attention_rewritten: 2" in out and "lm_head_pruned: 1" in out
+    assert "torchtune/modules/attention.py" in before  # source lines name the model's code
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["0_traced.txt", "1_attention_rewrite.txt", "2_token_locality.txt",
+                     "3_lm_head.txt", "attention_region.svg"]
+    svg = ET.parse(tmp_path / "attention_region.svg").getroot()
+    labels = " ".join(t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+    assert "flex_attention" in labels
+
+
+def test_inspect_reports_a_refusal(monkeypatch, capsys):
+    from dualkv_compile.passes import token_locality
+    from dualkv_compile.passes._common import Refusal
+
+    def refuse(*args, **kwargs):
+        raise Refusal("cannot prove `cumsum` at model.py:3 token-local")
+
+    monkeypatch.setattr(token_locality, "prove_token_locality", refuse)
+    assert main(["inspect", "--model", "llama3_2"]) == 1
+    out = capsys.readouterr().out
+    assert "refused: cannot prove `cumsum` at model.py:3 token-local" in out
+    assert "== after the attention rewrite" in out  # what ran before the refusal is shown
+
+
+def test_inspect_a_config_json(tmp_path, capsys):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
+           "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 3,
+           "num_attention_heads": 2, "num_key_value_heads": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", "--model", str(tmp_path), "--layers", "1"]) == 0
+    assert "attention_rewritten: 1" in capsys.readouterr().out
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_mask_counts_match_the_dense_mask(tmp_path, capsys):
+    png = tmp_path / "m.png"
+    args = ["--groups", "2", "--group-size", "3", "--prompt-len", "300", "--response-len", "200"]
+    assert main(["mask", *args, "--scale", "4", "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    tokens, mask, p = make_batch([300, 300], [[200] * 3] * 2, generator=torch.Generator().manual_seed(0))
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    nb = pb.seq_len // BLOCK_SIZE
+    tiles = dense_mask(pb).view(nb, BLOCK_SIZE, nb, BLOCK_SIZE).transpose(1, 2)
+    full = int(tiles.all(-1).all(-1).sum())
+    partial = int((tiles.any(-1).any(-1) & ~tiles.all(-1).all(-1)).sum())
+    assert f"full blocks: {full}, partial blocks: {partial}, empty blocks: {nb * nb - full - partial}" in out
+    assert _png_size(png) == (nb * 4, nb * 4)
+
+
+def test_plan_prints_the_estimate(capsys):
+    assert main(["plan", "--model", "qwen3-1.7b", "-N", "16", "-P", "4096", "-R", "1024",
+                 "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "token reduction rho:          4.00x  (81920 -> 20480 tokens)" in out
+    assert "attention pair reduction:     2.50x" in out
+    assert "groups per micro-batch in 80 GiB, layer checkpointing:" in out
+    e = estimate({"hidden": 8, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 4, "ff": 16,
+                  "vocab": 10, "tied": True}, 2, 3, 1, chunk=1)
+    # by hand: q 8x8 + k,v 2x8x4 + o 8x8 + mlp 3x8x16 + norms 16 = 592; + embeddings 80 + 8
+    assert e["params"] == 592 + 80 + 8
+    assert e["rho"] == pytest.approx(8 / 5)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "nope", "-N", "1", "-P", "1", "-R", "1"], "unknown model 'nope'"),
+    (["inspect", "--model", "llama-9000"], "unknown model 'llama-9000'"),
+    (["plan", "--model", "qwen3-8b", "-N", "0", "-P", "1", "-R", "1"], "-N 0: must be at least 1"),
+    (["plan", "--model", "/nonexistent/config.json", "-N", "1", "-P", "1", "-R", "1"],
+     "no such file: /nonexistent/config.json"),
+    (["mask", "--out", "/nonexistent/dir/m.png"], "no such directory: /nonexistent/dir"),
+    (["mask", "--pad-to", "100", "--out", "m.png"], "--pad-to 100: must be a multiple of 128"),
+    (["mask", "--groups", "0", "--out", "m.png"], "0 must be at least 1"),
+    (["bench", "nope"], "invalid choice: 'nope'"),
+])
+def test_errors_exit_2_with_one_line(argv, message, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+FLAGS = {
+    "inspect": ["--group-size", "--groups", "--help", "--layers", "--model", "--out",
+                "--prompt-len", "--response-len", "-h"],
+    "mask": ["--group-size", "--groups", "--help", "--out", "--pad-to", "--prompt-len",
+             "--ragged", "--response-len", "--scale", "-h"],
+    "plan": ["--gpu-memory", "--help", "--model", "--state-bytes", "-N", "-P", "-R", "-h"],
+    "bench": ["--help", "-h"],
+}
+
+
+def test_the_flag_set_is_frozen():
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    found = {name: sorted(s for a in sub._actions for s in a.option_strings)
+             for name, sub in subs.items()}
+    assert found == FLAGS
+
+
+@pytest.mark.parametrize("command", sorted(FLAGS))
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    assert f"usage: dualkv {command}" in capsys.readouterr().out
+
+
+def test_module_entry_point():
+    done = subprocess.run([sys.executable, "-m", "dualkv_compile.tools", "plan", "--model",
+                           "qwen3-0.6b", "-N", "4", "-P", "128", "-R", "64"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "token reduction rho" in done.stdout

@@ -1,0 +1,117 @@
+"""The `dualkv` command: inspect rewritten graphs, draw masks, plan savings, benchmark.
+
+    dualkv inspect --model qwen2_5 --out graphs/
+    dualkv mask --groups 2 --group-size 4 --prompt-len 600 --response-len 300 --out mask.png
+    dualkv plan --model qwen3-8b -N 32 -P 8192 -R 1024 --gpu-memory 80
+    dualkv bench attention --shapes 32,8192,1024        (CUDA)
+
+User errors (unknown model, impossible numbers, missing files) exit 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .models import PRESETS, TINY, CliError
+
+__all__ = ["main", "build_parser"]
+
+_BENCHES = {"attention": "dualkv_compile.tools.bench_attention",
+            "step": "dualkv_compile.tools.bench_policy_update"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _layout(sub):
+    sub.add_argument("--groups", type=_positive, default=2, help="prompts (default 2)")
+    sub.add_argument("--group-size", type=_positive, default=2,
+                     help="responses per prompt (default 2)")
+    sub.add_argument("--prompt-len", type=_positive, default=8, help="prompt tokens (default 8)")
+    sub.add_argument("--response-len", type=_positive, default=4,
+                     help="response tokens (default 4)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    models = ", ".join(TINY + tuple(PRESETS))
+    ap = _Parser(prog="dualkv", description=__doc__.split("\n\n")[0])
+    subs = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ins = subs.add_parser("inspect", help="trace a model through optimize() on CPU and show "
+                                          "the graph before and after each pass")
+    ins.add_argument("--model", required=True, help=f"{models}, or a config.json path")
+    _layout(ins)
+    ins.add_argument("--layers", type=_positive, default=None,
+                     help="build the model with this many layers (default: as configured)")
+    ins.add_argument("--out", default=None, help="write the graphs and an SVG here")
+
+    msk = subs.add_parser("mask", help="draw the block mask of a layout as a PNG")
+    _layout(msk)
+    msk.add_argument("--ragged", action="store_true",
+                     help="random response lengths up to --response-len")
+    msk.add_argument("--pad-to", type=_positive, default=128, help="T multiple (of 128)")
+    msk.add_argument("--scale", type=_positive, default=None, help="pixels per block")
+    msk.add_argument("--out", required=True, help="PNG file to write")
+
+    pln = subs.add_parser("plan", help="predicted savings and memory with and without dualkv")
+    pln.add_argument("--model", required=True, help=f"{models}, or a config.json path")
+    pln.add_argument("-N", type=int, required=True, help="responses per prompt")
+    pln.add_argument("-P", type=int, required=True, help="prompt tokens")
+    pln.add_argument("-R", type=int, required=True, help="response tokens")
+    pln.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                     help="GPU memory in GiB: report how many groups fit a micro-batch")
+    pln.add_argument("--state-bytes", type=_positive, default=12,
+                     help="training-state bytes per parameter (default 12)")
+
+    bch = subs.add_parser("bench", help="run a benchmark of the suite (needs CUDA)",
+                          description="Runs one benchmark; the arguments after its name are "
+                                      "passed to it (`dualkv bench attention --help`).")
+    bch.add_argument("name", choices=sorted(_BENCHES))
+    bch.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            from .inspect_cmd import run_inspect
+
+            return run_inspect(args)
+        if args.command == "mask":
+            if args.pad_to % 128:
+                raise CliError(f"--pad-to {args.pad_to}: must be a multiple of 128")
+            from .mask_cmd import run_mask
+
+            return run_mask(args)
+        if args.command == "plan":
+            from .plan_cmd import run_plan
+
+            return run_plan(args)
+        import importlib
+
+        importlib.import_module(_BENCHES[args.name]).main(args.rest)
+        return 0
+    except CliError as e:
+        print(f"dualkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""`dualkv inspect`: trace a model through optimize() on CPU and show what each pass did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import dualkv_compile as dk
+from dualkv_compile.passes._common import Refusal
+from dualkv_compile.testing import make_batch
+
+from .graph_text import attention_region_svg, graph_text
+from .models import CliError, build_model
+
+__all__ = ["run_inspect"]
+
+STAGES = {"traced": "graph traced by Dynamo (before the passes)",
+          "attention_rewrite": "after the attention rewrite",
+          "token_locality": "after the token-locality proof (unchanged when proven)",
+          "lm_head": "after the LM-head cut"}
+
+
+def run_inspect(args, out=print) -> int:
+    model = build_model(args.model, args.layers)
+    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(
+        model, "get_output_embeddings") else model.tok_embeddings.num_embeddings
+    g = torch.Generator().manual_seed(0)
+    tokens, mask, p = make_batch([args.prompt_len] * args.groups,
+                                 [[args.response_len] * args.group_size] * args.groups,
+                                 vocab=max(vocab - args.groups - 2, 2), generator=g)
+    tokens = tokens % vocab
+    try:
+        wrapper = dk.optimize(model, dk.DualKVConfig(backend="aot_eager", fallback="error"))
+    except (TypeError, ValueError) as e:
+        raise CliError(f"optimize() rejects {args.model}: {e}") from None
+    stages: list[tuple[str, str, object]] = []
+    wrapper._observer = lambda stage, gm: stages.append((stage, graph_text(gm), gm))
+    dk.counters.clear()
+    refusal = None
+    try:
+        with torch.no_grad():
+            wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    except Refusal as e:
+        refusal = e
+    packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
+    out(f"model {args.model}: {type(model).__name__}; layout: {args.groups} group(s) x "
+        f"{args.group_size} responses, prompt {args.prompt_len}, response {args.response_len}; "
+        f"T={packed.seq_len}, rho={packed.rho:.2f}")
+    for stage, text, _ in stages:
+        out(f"\n== {STAGES[stage]} ({text.count(chr(10))} lines) ==")
+        out(text.rstrip("\n"))
+    out("\n== counters ==")
+    for key in sorted(dk.counters):
+        out(f"{key}: {dk.counters[key]}")
+    if refusal is not None:
+        out(f"\nrefused: {refusal}")
+    if args.out:
+        folder = Path(args.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        for i, (stage, text, gm) in enumerate(stages):
+            (folder / f"{i}_{stage}.txt").write_text(text)
+        final = stages[-1][2] if stages else None
+        if final is not None and refusal is None:
+            (folder / "attention_region.svg").write_text(attention_region_svg(final))
+        out(f"\nwrote {len(stages)} graph file(s)"
+            + ("" if refusal is not None else " and attention_region.svg") + f" to {folder}")
+    return 1 if refusal is not None else 0

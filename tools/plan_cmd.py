@@ -1,0 +1,86 @@
+"""`dualkv plan`: predicted savings and memory of a GRPO policy update, with and without dualkv.
+
+An estimate, stated so it can be checked: parameters from the model's shape; training state
+`--state-bytes` per parameter (default 12: bf16 weights and gradients, fp32 AdamW moments);
+activations kept for the backward, bf16, per token and layer 2 x (4d + 2 Hq D + 2 Hkv D + 3 ff)
+bytes (norm inputs, q/k/v, attention output, MLP input, gate/up/act) without recomputation, or
+with layer checkpointing 2 x d per token and layer plus one layer's full set; the LM head as
+dualkv_compile runs it in both cases (needed positions only, one chunk of logits).
+FLOPs: 6 x layer parameters per token, 12 x D x Hq per causal pair and layer, 6 x V x d per
+predicted token.
+"""
+
+from __future__ import annotations
+
+from .models import CliError, model_dims
+
+__all__ = ["run_plan", "estimate"]
+
+GIB = 2**30
+
+
+def estimate(d: dict, n: int, p: int, r: int, *, state_bytes: int = 12,
+             chunk: int = 1024) -> dict:
+    h, hd = d["hidden"], d["head_dim"]
+    q_dim, kv_dim = d["heads"] * hd, d["kv_heads"] * hd
+    layer_params = h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * d["ff"] + 2 * h
+    params = d["layers"] * layer_params + d["vocab"] * h * (1 if d["tied"] else 2) + h
+    per_layer_token = 2 * (4 * h + 2 * q_dim + 2 * kv_dim + 3 * d["ff"])
+    per_token = d["layers"] * per_layer_token
+    per_token_ckpt = d["layers"] * 2 * h + per_layer_token
+    replicated_tokens, packed_tokens = n * (p + r), p + n * r
+    replicated_pairs = n * (p + r) * (p + r + 1) // 2
+    packed_pairs = p * (p + 1) // 2 + n * (p * r + r * (r + 1) // 2)
+    head_flops = 6 * d["vocab"] * h * n * r
+    attn = 12 * hd * d["heads"] * d["layers"]
+    head_memory = n * r * h * 2 + 3 * chunk * d["vocab"] * 4
+    return {
+        "params": params,
+        "static_bytes": params * state_bytes,
+        "rho": replicated_tokens / packed_tokens,
+        "pair_reduction": replicated_pairs / packed_pairs,
+        "flops_plain": 6 * d["layers"] * layer_params * replicated_tokens
+        + attn * replicated_pairs + head_flops,
+        "flops_dualkv": 6 * d["layers"] * layer_params * packed_tokens
+        + attn * packed_pairs + head_flops,
+        "activation_bytes_plain": per_token * replicated_tokens + head_memory,
+        "activation_bytes_dualkv": per_token * packed_tokens + head_memory,
+        "checkpointed_bytes_plain": per_token_ckpt * replicated_tokens + head_memory,
+        "checkpointed_bytes_dualkv": per_token_ckpt * packed_tokens + head_memory,
+    }
+
+
+def run_plan(args, out=print) -> int:
+    for flag, value in (("-N", args.N), ("-P", args.P), ("-R", args.R)):
+        if value < 1:
+            raise CliError(f"{flag} {value}: must be at least 1")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise CliError(f"--gpu-memory {args.gpu_memory}: must be positive")
+    d = model_dims(args.model)
+    e = estimate(d, args.N, args.P, args.R, state_bytes=args.state_bytes)
+    out(f"model {args.model}: {e['params'] / 1e9:.2f}B parameters ({d['layers']} layers, "
+        f"d={d['hidden']}, {d['heads']}/{d['kv_heads']} heads of {d['head_dim']}, "
+        f"ff={d['ff']}, vocab {d['vocab']}); one group: N={args.N}, P={args.P}, R={args.R}")
+    out(f"token reduction rho:          {e['rho']:.2f}x  "
+        f"({args.N * (args.P + args.R)} -> {args.P + args.N * args.R} tokens)")
+    out(f"attention pair reduction:     {e['pair_reduction']:.2f}x")
+    out(f"fwd+bwd FLOPs per group:      {e['flops_plain'] / 1e12:.1f} -> "
+        f"{e['flops_dualkv'] / 1e12:.1f} TFLOP ({e['flops_plain'] / e['flops_dualkv']:.2f}x)")
+    out(f"activations per group:        {e['activation_bytes_plain'] / GIB:.2f} -> "
+        f"{e['activation_bytes_dualkv'] / GIB:.2f} GiB (bf16, no recomputation)")
+    out(f"  with layer checkpointing:   {e['checkpointed_bytes_plain'] / GIB:.2f} -> "
+        f"{e['checkpointed_bytes_dualkv'] / GIB:.2f} GiB")
+    out(f"weights, grads, optimizer:    {e['static_bytes'] / GIB:.2f} GiB "
+        f"({args.state_bytes} bytes/parameter)")
+    if args.gpu_memory is not None:
+        free = args.gpu_memory * GIB - e["static_bytes"]
+        if free <= 0:
+            out(f"groups per micro-batch in {args.gpu_memory:g} GiB: none; the training state "
+                f"alone needs {e['static_bytes'] / GIB:.1f} GiB (shard it, e.g. FSDP)")
+            return 0
+        for kind, key in (("no recomputation", "activation_bytes"),
+                          ("layer checkpointing", "checkpointed_bytes")):
+            fit = {k: int(free // e[f"{key}_{k}"]) for k in ("plain", "dualkv")}
+            out(f"groups per micro-batch in {args.gpu_memory:g} GiB, {kind}: "
+                f"plain {fit['plain']}, dualkv {fit['dualkv']}")
+    return 0
