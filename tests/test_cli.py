@@ -87,7 +87,7 @@ def test_plan_prints_the_estimate(capsys):
                  "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "token reduction rho:          4.00x  (81920 -> 20480 tokens)" in out
-    assert "attention pair reduction:     2.50x" in out
+    assert "attention FLOP reduction:     2.50x (causal pairs)" in out
     assert "groups per micro-batch in 80 GiB, layer checkpointing:" in out
     e = estimate({"hidden": 8, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 4, "ff": 16,
                   "vocab": 10, "tied": True}, 2, 3, 1, chunk=1)

@@ -63,7 +63,7 @@ def run_plan(args, out=print) -> int:
         f"ff={d['ff']}, vocab {d['vocab']}); one group: N={args.N}, P={args.P}, R={args.R}")
     out(f"token reduction rho:          {e['rho']:.2f}x  "
         f"({args.N * (args.P + args.R)} -> {args.P + args.N * args.R} tokens)")
-    out(f"attention pair reduction:     {e['pair_reduction']:.2f}x")
+    out(f"attention FLOP reduction:     {e['pair_reduction']:.2f}x (causal pairs)")
     out(f"fwd+bwd FLOPs per group:      {e['flops_plain'] / 1e12:.1f} -> "
         f"{e['flops_dualkv'] / 1e12:.1f} TFLOP ({e['flops_plain'] / e['flops_dualkv']:.2f}x)")
     out(f"activations per group:        {e['activation_bytes_plain'] / GIB:.2f} -> "
