@@ -1,0 +1,14 @@
+"""RL post-training pieces for the recipes: losses, advantages, tasks with verifiable rewards.
+Configs reference them by `_component_` path (e.g. dualkv_compile.rl.GRPOLoss)."""
+
+from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
+from .tasks import CharTokenizer, RepeatLastLetterTask
+
+__all__ = [
+    "CharTokenizer",
+    "GRPOLoss",
+    "RepeatLastLetterTask",
+    "group_advantages",
+    "groups_with_signal",
+    "overlong_penalty",
+]

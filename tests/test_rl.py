@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from dualkv_compile.rl import (
+    CharTokenizer,
+    GRPOLoss,
+    RepeatLastLetterTask,
+    group_advantages,
+    groups_with_signal,
+    overlong_penalty,
+)
+
+
+def test_group_advantages_normalise_within_each_group():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    a = group_advantages(r)
+    assert torch.allclose(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(a[1], torch.zeros(4))
+    assert torch.allclose(group_advantages(r, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    with pytest.raises(ValueError, match=r"\[groups, samples\], got shape \(4,\)"):
+        group_advantages(r[0])
+
+
+def test_dynamic_sampling_and_overlong_shaping():
+    r = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.3, 0.3]])
+    assert groups_with_signal(r).tolist() == [False, True, False]
+    pen = overlong_penalty(torch.tensor([5, 8, 9, 10, 12]), max_len=10, cache_len=2)
+    assert torch.allclose(pen, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+    with pytest.raises(ValueError, match="cache_len=0"):
+        overlong_penalty(torch.tensor([1]), max_len=10, cache_len=0)
+
+
+def test_grpo_loss_by_hand():
+    lp = torch.log(torch.tensor([[0.5, 0.5, 0.1], [0.2, 0.4, 0.4]]))
+    old = torch.log(torch.tensor([[0.25, 0.5, 0.1], [0.4, 0.4, 0.4]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.0)
+    loss, stats = loss_fn(lp, old, lp, adv, mask)
+    # ratios: row0 [2, 1], row1 [0.5, 1, 1]; clipped: [1.28, 1], [0.8, 1, 1]
+    # row0 (A=+1): -min(r, clip) = [-1.28, -1]; row1 (A=-1): -min(-r, -clip) = [0.8, 1, 1]
+    expect_seq = (torch.tensor(-2.28 / 2) + torch.tensor(2.8 / 3)) / 2
+    assert torch.isclose(loss, expect_seq)
+    token_loss, _ = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.0,
+                             aggregation="token")(lp, old, lp, adv, mask)
+    assert torch.isclose(token_loss, torch.tensor((-2.28 + 2.8) / 5))
+    assert torch.isclose(stats["clip_fraction"], torch.tensor(2 / 5))
+    assert stats["kl"] == 0
+
+
+def test_kl_term_is_k3_and_its_gradient_pulls_to_the_reference():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, stats = GRPOLoss(kl_coef=1.0)(lp, lp.detach(), ref, torch.zeros(1), mask)
+    d = -0.5
+    k3 = torch.exp(torch.tensor(d)) - d - 1
+    assert torch.isclose(stats["kl"], k3 / 2)
+    loss.backward()
+    assert lp.grad[0, 0] > 0 and lp.grad[0, 1] == 0  # above the reference: pushed down
+
+
+def test_bad_loss_settings():
+    with pytest.raises(ValueError, match="aggregation='mean'"):
+        GRPOLoss(aggregation="mean")
+    with pytest.raises(ValueError, match="kl_coef=-1"):
+        GRPOLoss(kl_coef=-1)
+
+
+def test_tokenizer_and_task_reward():
+    tok = CharTokenizer()
+    ids = tok.encode("abc:")
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "abc:"
+    with pytest.raises(ValueError, match=r"characters \['!'\]"):
+        tok.encode("a!")
+    task = RepeatLastLetterTask(tok, prompt_letters=4, target_len=4, seed=1)
+    prompts, answers = task.sample_prompts(3)
+    assert prompts.shape == (3, 6) and all(tok.decode(p)[-2] == a for p, a in zip(prompts, answers))
+    a = answers[0]
+    other = "a" if a != "a" else "b"
+    responses = torch.tensor([
+        tok.encode(a * 4, add_bos=False),                                   # all right
+        tok.encode(a * 2 + other * 2, add_bos=False),                       # half
+        tok.encode(a, add_bos=False) + [tok.eos_id, *tok.encode(a * 2, add_bos=False)],  # stops
+    ])
+    assert task.rewards(responses, [a, a, a]).tolist() == [1.0, 0.5, 0.25]
+    state = task.state_dict()
+    first = task.sample_prompts(2)[0]
+    task.load_state_dict(state)
+    assert torch.equal(task.sample_prompts(2)[0], first)  # resumable data order
