@@ -1,0 +1,98 @@
+"""The GRPO recipe on CPU: dualkv on vs off, TensorBoard output, resume, the `tune run` entry."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "recipes" / "configs" / "tiny_grpo.yaml"
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location(
+        "grpo_full_finetune", ROOT / "recipes" / "grpo_full_finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(tmp_path, name, **overrides):
+    cfg = OmegaConf.load(CONFIG)
+    cfg.output_dir = str(tmp_path / name)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    recipe = load_recipe().GRPORecipe(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    return recipe
+
+
+def test_dualkv_on_and_off_agree_at_every_step(tmp_path):
+    on = run(tmp_path, "on", num_steps=3)
+    off = run(tmp_path, "off", num_steps=3, **{"dualkv.enabled": False})
+    assert on.policy.uses_dualkv and not off.policy.uses_dualkv
+    assert len(on.history) == len(off.history) == 3
+    # abs=1e-6: at step 1 the policy equals the reference and each group's normalised
+    # advantages sum to zero, so loss and KL are 0 up to float32 rounding (~1e-8)
+    for a, b in zip(on.history, off.history):
+        for key in ("loss", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert a["reward"] == b["reward"] and a["rho"] > 1
+    assert any(h["kl"] > 0 for h in on.history[1:])  # the policy moved away from the reference
+
+
+def read_scalars(folder: Path) -> dict[str, list[float]]:
+    """Every scalar in the event files under `folder` (legacy simple values or tensors)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out: dict[str, list[float]] = {}
+    for path in sorted(folder.rglob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for v in event.summary.value:
+                x = v.simple_value if v.HasField("simple_value") else tensor_util.make_ndarray(v.tensor)
+                out.setdefault(v.tag, []).append(float(x))
+    return out
+
+
+def test_tensorboard_events_name_every_metric(tmp_path):
+    recipe = run(tmp_path, "tb", num_steps=2)
+    scalars = read_scalars(tmp_path / "tb" / "tensorboard")
+    for tag in ("reward", "loss", "kl", "response_length", "tokens_per_s", "rho",
+                "step_time_s", "peak_memory_gib"):
+        assert len(scalars.get(tag, [])) == 2, tag
+    assert scalars["reward"] == [h["reward"] for h in recipe.history]
+
+
+def test_resume_continues_the_step_count_and_data_order(tmp_path):
+    full = run(tmp_path, "full", num_steps=4)
+    run(tmp_path, "part", num_steps=2)
+    resumed = run(tmp_path, "part", num_steps=4, resume_from_checkpoint=True)
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    for a, b in zip(full.history[2:], resumed.history):
+        assert a["reward"] == b["reward"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+
+
+def test_dapo_settings_run(tmp_path):
+    recipe = run(tmp_path, "dapo", num_steps=2, dynamic_sampling=True,
+                 overlong={"max_len": 9, "cache_len": 3}, **{"loss.aggregation": "token",
+                                                            "loss.epsilon_high": 0.28})
+    assert len(recipe.history) == 2
+
+
+def test_tune_run_entry_point(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "tune"), "run", "recipes/grpo_full_finetune.py", "--config", str(CONFIG),
+         "num_steps=2", f"output_dir={tmp_path / 'cli'}", "device=cpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mean reward:" in done.stdout
+    assert (tmp_path / "cli" / "checkpoint.pt").is_file()
