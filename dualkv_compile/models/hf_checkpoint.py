@@ -1,0 +1,114 @@
+"""Qwen3 weights between transformers' layout (safetensors + config.json) and ours."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from torch import nn
+
+__all__ = ["hf_to_ours", "ours_to_hf", "load_hf_checkpoint", "save_hf_checkpoint",
+           "qwen3_from_hf_config"]
+
+# (transformers name, our name), per layer where {i} appears
+_LAYER_KEYS = [
+    ("self_attn.q_proj.weight", "attn.q_proj.weight"),
+    ("self_attn.k_proj.weight", "attn.k_proj.weight"),
+    ("self_attn.v_proj.weight", "attn.v_proj.weight"),
+    ("self_attn.o_proj.weight", "attn.output_proj.weight"),
+    ("self_attn.q_norm.weight", "attn.q_norm.scale"),
+    ("self_attn.k_norm.weight", "attn.k_norm.scale"),
+    ("mlp.gate_proj.weight", "mlp.w1.weight"),
+    ("mlp.down_proj.weight", "mlp.w2.weight"),
+    ("mlp.up_proj.weight", "mlp.w3.weight"),
+    ("input_layernorm.weight", "sa_norm.scale"),
+    ("post_attention_layernorm.weight", "mlp_norm.scale"),
+]
+_TOP_KEYS = [("model.embed_tokens.weight", "tok_embeddings.weight"),
+             ("model.norm.weight", "norm.scale"), ("lm_head.weight", "output.weight")]
+
+
+def _rename(name: str, to_ours: bool) -> str:
+    for hf, ours in _TOP_KEYS:
+        if name == (hf if to_ours else ours):
+            return ours if to_ours else hf
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)" if to_ours else r"layers\.(\d+)\.(.+)", name)
+    if m:
+        for hf, ours in _LAYER_KEYS:
+            if m.group(2) == (hf if to_ours else ours):
+                prefix = "layers" if to_ours else "model.layers"
+                return f"{prefix}.{m.group(1)}.{ours if to_ours else hf}"
+    raise KeyError(f"no {'dualkv' if to_ours else 'transformers'} name for weight {name!r}")
+
+
+def hf_to_ours(state: dict, *, tied: bool) -> dict:
+    if tied:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    return {_rename(k, True): v for k, v in state.items()}
+
+
+def ours_to_hf(state: dict) -> dict:
+    return {_rename(k, False): v for k, v in state.items()}
+
+
+def _rope_theta(cfg: dict) -> float:
+    """transformers 5 keeps it in rope_parameters, 4.x at the top level; only the default
+    (unscaled) rope type is supported."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"rope_type={kind!r} is not supported by this Qwen3 builder (only "
+                         f"'default')")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+
+
+def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
+    """Our Qwen3 with the shape given by a transformers config.json (file or directory)."""
+    from .qwen3 import qwen3
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    kw = dict(vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
+              num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+              embed_dim=cfg["hidden_size"], intermediate_dim=cfg["intermediate_size"],
+              head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+              max_seq_len=cfg.get("max_position_embeddings", 40960),
+              rope_base=_rope_theta(cfg), norm_eps=cfg.get("rms_norm_eps", 1e-6),
+              tie_word_embeddings=cfg.get("tie_word_embeddings", False))
+    return qwen3(**{**kw, **overrides})
+
+
+def _tied(model: nn.Module) -> bool:
+    return hasattr(model.output, "tied_module")
+
+
+def load_hf_checkpoint(model: nn.Module, directory: str | Path) -> None:
+    """Load model.safetensors (or the shards an index names) from `directory` into `model`."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
+                                f"{directory}")
+    state: dict = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    model.load_state_dict(hf_to_ours(state, tied=_tied(model)), strict=True)
+
+
+def save_hf_checkpoint(model: nn.Module, directory: str | Path, *, config: dict) -> None:
+    """Write model.safetensors and config.json (a transformers Qwen3 config dict)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(ours_to_hf(state), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
