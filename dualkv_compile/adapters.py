@@ -9,6 +9,13 @@ from torch import Tensor, nn
 __all__ = ["adapter_for"]
 
 
+def _check_head(weight_module, name: str) -> None:
+    bias = getattr(weight_module, "bias", None)
+    if bias is not None:
+        raise ValueError(f"the LM head {name} has a bias; response_logprobs' chunked head "
+                         f"applies weight-only heads (Qwen, Llama)")
+
+
 class _Torchtune:
     """torchtune TransformerDecoder (qwen2_5, llama3_2 builders, our Qwen3 builder). Its
     forward refuses sequences longer than max_seq_len, which a packed batch may be; the body is
@@ -23,6 +30,7 @@ class _Torchtune:
         if model.caches_are_enabled():
             raise ValueError("optimize() trains without KV caches; call model.reset_caches() / "
                              "do not set up caches on the model passed in")
+        _check_head(model.output, "model.output")
 
     def body(self, model, tokens, positions, mask=None):
         h = model.tok_embeddings(tokens)
@@ -63,6 +71,12 @@ class _HuggingFace:
             raise ValueError(f"optimize() supports full causal attention only; this model uses "
                              f"sliding windows (layer_types={sorted(kinds)}, "
                              f"sliding_window={window})")
+        for key in ("logit_scale", "logits_scaling", "final_logit_softcapping"):
+            value = getattr(cfg, key, None)
+            if value not in (None, 1, 1.0):
+                raise ValueError(f"optimize() applies the LM head as a plain linear map; this "
+                                 f"model's config sets {key}={value}")
+        _check_head(model.get_output_embeddings(), "get_output_embeddings()")
 
     def body(self, model, tokens, positions, mask=None):
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model

@@ -185,6 +185,10 @@ class DualKVModel(nn.Module):
         response tokens, in chunks of config.logprob_chunk_size."""
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
         weight = self._adapter.lm_head_weight(self.model)
+        if tokens.dim() == 2 and prompt_len == tokens.shape[1]:  # no response columns
+            self._pack(tokens, prompt_len, padding_mask)  # still validates the input
+            wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+            return torch.zeros(tokens.shape[0], 0, dtype=wide, device=tokens.device)
 
         def dense():
             pb = self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path

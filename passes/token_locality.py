@@ -184,6 +184,8 @@ class _Proof:
         axes = {self.tok(t) for t in tensors}
         if None in axes and len(axes) > 1:
             self.refuse(node, "it joins token data with a tensor that has its own sequence axis")
+        if len(axes) > 1:
+            self.refuse(node, "its operands carry the sequence on different axes")
         (ax,) = axes
         ndim = example(tensors[0]).dim()
         if name == "cat":
@@ -213,10 +215,20 @@ class _Proof:
         if ta is not None:
             if ta == ea.dim() - 1:
                 self.refuse(node, "it contracts over the sequence axis")
-            return out.dim() - (ea.dim() - ta)
-        if eb.dim() >= 2 and tb == eb.dim() - 2:
-            self.refuse(node, "it contracts over the sequence axis")
-        return out.dim() - (eb.dim() - tb)
+            ax, other = out.dim() - (ea.dim() - ta), (b, eb)
+        else:
+            if eb.dim() >= 2 and tb == eb.dim() - 2:
+                self.refuse(node, "it contracts over the sequence axis")
+            ax, other = out.dim() - (eb.dim() - tb), (a, ea)
+        # a batch dim of the other operand aligned with the tokens must broadcast (size 1):
+        # otherwise it is a per-position table not fed from the packed layout
+        name, val = other[0], other[1]
+        d = ax - (out.dim() - val.dim())
+        if 0 <= d < val.dim() - 2 and val.shape[d] != 1 and self.t > 1:
+            self.refuse(node, f"operand {getattr(name, 'name', name)} has its own sequence axis "
+                              f"of length {val.shape[d]} (e.g. positions from arange); feed "
+                              f"packed positions instead")
+        return ax
 
     # ---- driver ----------------------------------------------------------------------------
     def visit(self, node: fx.Node):

@@ -153,16 +153,20 @@ class GRPORecipe:
         advantages = group_advantages(rewards).flatten().to(self.device)
         t_rollout = time.perf_counter()
         resp_mask = mask[:, p:]
+        temp = cfg.temperature  # logprobs of the distribution that sampled (top-k aside)
         with torch.no_grad():
-            old = self.policy.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-            ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+            old = self.policy.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
+                                                temperature=temp)
+            ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
+                                                   temperature=temp)
         n_groups = rewards.shape[0]
         rows_per_mb = cfg.micro_batch_groups * cfg.group_size
         total_tokens = resp_mask.sum().clamp_min(1)
         loss_sum, kl_sum = 0.0, 0.0
         for start in range(0, n_groups * cfg.group_size, rows_per_mb):
             rows = slice(start, start + rows_per_mb)
-            lp = self.policy.response_logprobs(tokens[rows], prompt_len=p, padding_mask=mask[rows])
+            lp = self.policy.response_logprobs(tokens[rows], prompt_len=p, padding_mask=mask[rows],
+                                               temperature=temp)
             loss, stats = self.loss_fn(lp, old[rows], ref[rows], advantages[rows], resp_mask[rows])
             if self.loss_fn.aggregation == "token":
                 weight = resp_mask[rows].sum() / total_tokens
@@ -170,7 +174,7 @@ class GRPORecipe:
                 weight = torch.tensor(lp.shape[0] / tokens.shape[0])
             (loss * weight).backward()
             loss_sum += float(loss.detach() * weight)
-            kl_sum += float(stats["kl"] * weight)
+            kl_sum += float(stats["kl"] * resp_mask[rows].sum() / total_tokens)  # token mean
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -268,3 +268,53 @@ def test_attention_dropout_is_refused():
     tokens, mask, p = batch()
     with pytest.raises(Refusal, match="dropout_p=0.1"):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+class _PositionMatmul(torch.nn.Module):
+    """Rotates each token by a per-position matrix built from arange: positions not fed from
+    the packed layout, in matmul form."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        t, d = x.shape[1], x.shape[2]
+        angle = torch.arange(t, dtype=x.dtype)[:, None, None] * 0.01
+        rot = torch.eye(d, dtype=x.dtype) * torch.cos(angle)  # [T, d, d]
+        return self.inner(torch.matmul(rot, x.unsqueeze(-1)).squeeze(-1))
+
+
+def test_positions_made_inside_the_model_are_refused_in_matmul_form():
+    from dualkv_compile.passes._common import Refusal
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].mlp = _PositionMatmul(model.layers[0].mlp)
+    tokens, mask, p = batch()
+    with pytest.raises(Refusal, match=r"matmul.*own sequence axis"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_no_response_columns_give_an_empty_result():
+    model = tiny_model("qwen2_5").double()
+    tokens, mask, p = make_batch([5, 3], [[0, 0], [0]], generator=torch.Generator().manual_seed(2))
+    assert tokens.shape[1] == p
+    lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert lp.shape == (3, 0) and lp.dtype == torch.float64
+
+
+def test_heads_that_are_not_a_plain_linear_map_are_rejected():
+    from dualkv_compile.models import tiny_decoder
+
+    model = tiny_decoder(vocab_size=12)
+    model.output = torch.nn.Linear(64, 12, bias=True)
+    with pytest.raises(ValueError, match="LM head model.output has a bias"):
+        dk.optimize(model)
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    hf = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    hf.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        dk.optimize(hf)
