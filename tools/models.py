@@ -10,17 +10,19 @@ __all__ = ["CliError", "TINY", "PRESETS", "model_dims", "build_model"]
 
 TINY = ("qwen2_5", "llama3_2", "hf_qwen3", "hf_llama")
 
-# Qwen3 shapes (hidden, layers, heads, kv heads, head dim, MLP, vocab, tied embeddings)
-PRESETS = {
-    "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ff=3072,
-                       vocab=151936, tied=True),
-    "qwen3-1.7b": dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ff=6144,
-                       vocab=151936, tied=True),
-    "qwen3-4b": dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ff=9728,
-                     vocab=151936, tied=True),
-    "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ff=12288,
-                     vocab=151936, tied=False),
-}
+
+
+def _qwen3_presets() -> dict[str, dict]:
+    from dualkv_compile.models.qwen3 import QWEN3_SIZES, QWEN3_VOCAB
+
+    return {f"qwen3-{size}": dict(hidden=d["embed_dim"], layers=d["num_layers"],
+                                  heads=d["num_heads"], kv_heads=d["num_kv_heads"],
+                                  head_dim=d["head_dim"], ff=d["intermediate_dim"],
+                                  vocab=QWEN3_VOCAB, tied=d["tie_word_embeddings"])
+            for size, d in QWEN3_SIZES.items()}
+
+
+PRESETS = _qwen3_presets()
 _TINY_DIMS = dict(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ff=64, vocab=101,
                   tied=True)
 

@@ -18,8 +18,8 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-__all__ = ["Qwen3Attention", "qwen3", "qwen3_tiny", "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b",
-           "qwen3_8b"]
+__all__ = ["QWEN3_SIZES", "Qwen3Attention", "qwen3", "qwen3_tiny", "qwen3_0_6b", "qwen3_1_7b",
+           "qwen3_4b", "qwen3_8b"]
 
 
 class Qwen3Attention(MultiHeadAttention):
@@ -88,21 +88,35 @@ def qwen3_tiny(vocab_size: int = 151936, **kw) -> TransformerDecoder:
                  intermediate_dim=128, head_dim=16, tie_word_embeddings=True, **kw)
 
 
+# transformers' published Qwen3 shapes; the single source for the builders and the CLI
+QWEN3_SIZES = {
+    "0.6b": dict(num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=1024,
+                 intermediate_dim=3072, head_dim=128, tie_word_embeddings=True),
+    "1.7b": dict(num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=2048,
+                 intermediate_dim=6144, head_dim=128, tie_word_embeddings=True),
+    "4b": dict(num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=2560,
+               intermediate_dim=9728, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=4096,
+               intermediate_dim=12288, head_dim=128, tie_word_embeddings=False),
+}
+QWEN3_VOCAB = 151936
+
+
+def _sized(size: str, kw: dict) -> TransformerDecoder:
+    return qwen3(**{"vocab_size": QWEN3_VOCAB, **QWEN3_SIZES[size], **kw})
+
+
 def qwen3_0_6b(**kw):
-    return qwen3(vocab_size=151936, num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=1024,
-                 intermediate_dim=3072, head_dim=128, tie_word_embeddings=True, **kw)
+    return _sized("0.6b", kw)
 
 
 def qwen3_1_7b(**kw):
-    return qwen3(vocab_size=151936, num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=2048,
-                 intermediate_dim=6144, head_dim=128, tie_word_embeddings=True, **kw)
+    return _sized("1.7b", kw)
 
 
 def qwen3_4b(**kw):
-    return qwen3(vocab_size=151936, num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=2560,
-                 intermediate_dim=9728, head_dim=128, tie_word_embeddings=True, **kw)
+    return _sized("4b", kw)
 
 
 def qwen3_8b(**kw):
-    return qwen3(vocab_size=151936, num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=4096,
-                 intermediate_dim=12288, head_dim=128, tie_word_embeddings=False, **kw)
+    return _sized("8b", kw)
