@@ -15,7 +15,7 @@ from dualkv_compile.testing import make_batch
 from dualkv_compile.tools.cli import build_parser, main
 from dualkv_compile.tools.plan_cmd import estimate
 
-pytest.importorskip("transformers", reason="transformers is part of the test extra")
+import transformers  # noqa: E402,F401  (a test dependency: fail loudly if it is missing)
 
 
 def test_inspect_shows_each_pass_and_writes_graphs_and_svg(tmp_path, capsys):

@@ -14,7 +14,7 @@ from dualkv_compile.testing import (
     tiny_model,
 )
 
-pytest.importorskip("transformers", reason="transformers is part of the test extra")
+import transformers  # noqa: E402,F401  (a test dependency: fail loudly if it is missing)
 FAMILIES = ["qwen2_5", "llama3_2", "hf_qwen3", "hf_llama"]
 TOL = 1e-10
 
@@ -183,13 +183,16 @@ def test_disabled_runs_the_plain_model():
 def test_wrapper_shares_parameters_and_state_dict_keys():
     model = tiny_model("qwen2_5")
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    forward_before, sdpa_before = type(model).forward, torch.nn.functional.scaled_dot_product_attention
     wrapper = dk.optimize(model)
     assert list(wrapper.state_dict()) == list(model.state_dict())
     assert {id(p) for p in wrapper.parameters()} == {id(p) for p in model.parameters()}
     tokens, mask, p = batch()
     wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask).sum().backward()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert type(model).forward is type(model).forward  # nothing patched on the class
+    assert type(model).forward is forward_before  # nothing patched: the class, SDPA itself
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa_before
+    assert "forward" not in vars(model)
     model(tokens[:1], input_pos=torch.arange(tokens.shape[1])[None])  # model still usable
     wrapper.load_state_dict(before)
 

@@ -14,7 +14,7 @@ from dualkv_compile.models import (
 )
 from dualkv_compile.testing import make_batch, rel_err, row_by_row_response_logprobs
 
-tf = pytest.importorskip("transformers", reason="transformers is part of the test extra")
+import transformers as tf  # noqa: E402  (a test dependency: fail loudly if it is missing)
 
 
 def hf_model(tied: bool, seed: int = 0):
