@@ -55,7 +55,12 @@ class GRPORecipe:
         torch.manual_seed(cfg.seed)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.task = config.instantiate(cfg.task, tokenizer=self.tokenizer)
-        self.model = config.instantiate(cfg.model).to(device=self.device, dtype=self.dtype)
+        self.model = config.instantiate(cfg.model)
+        if cfg.get("checkpoint_dir"):  # transformers-format weights (model.safetensors)
+            from dualkv_compile.models import load_hf_checkpoint
+
+            load_hf_checkpoint(self.model, cfg.checkpoint_dir)
+        self.model.to(device=self.device, dtype=self.dtype)
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback)
         self.policy = dk.optimize(self.model, dcfg)
@@ -113,7 +118,7 @@ class GRPORecipe:
         before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0
         lengths = before_eos.sum(1)
         tokens = torch.cat([batch, response], 1)
-        mask = torch.cat([torch.ones_like(batch, dtype=torch.bool), before_eos], 1)
+        mask = torch.cat([batch != tok.pad_id, before_eos], 1)  # prompts may be left-padded
         return torch.where(mask, tokens, tok.pad_id), mask, lengths
 
     def _scored_rollouts(self):

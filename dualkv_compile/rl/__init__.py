@@ -1,13 +1,18 @@
 """RL post-training pieces for the recipes: losses, advantages, tasks with verifiable rewards.
 Configs reference them by `_component_` path (e.g. dualkv_compile.rl.GRPOLoss)."""
 
+from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
+from .math_task import MathJSONLTask, final_number
 from .tasks import CharTokenizer, RepeatLastLetterTask
 
 __all__ = [
     "CharTokenizer",
     "GRPOLoss",
+    "HFTokenizer",
+    "MathJSONLTask",
     "RepeatLastLetterTask",
+    "final_number",
     "group_advantages",
     "groups_with_signal",
     "overlong_penalty",

@@ -1,0 +1,38 @@
+"""A transformers tokenizer from a local directory, with the interface the recipes use."""
+
+from __future__ import annotations
+
+__all__ = ["HFTokenizer"]
+
+
+class HFTokenizer:
+    """encode / decode / pad_id / eos_id / bos_id over `AutoTokenizer.from_pretrained(path)`.
+    Nothing is downloaded: `path` must hold the tokenizer files."""
+
+    def __init__(self, path: str):
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {path} has no eos token")
+        self.eos_id = self._tok.eos_token_id
+        self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+        self.bos_id = self._tok.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self._tok.decode([i for i in ids if i != self.pad_id], skip_special_tokens=True)

@@ -1,0 +1,68 @@
+"""Math word problems from a local JSONL file, rewarded by final-answer match.
+
+Each line: {"question": "...", "answer": "42"} (the answer may carry GSM8K's "#### 42" form).
+Reward 1 when the last number in the response equals the answer's number, else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["MathJSONLTask", "final_number"]
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The last number in `text`, without thousands separators or a trailing '.0'."""
+    found = _NUMBER.findall(text.split("####")[-1])
+    if not found:
+        return None
+    value = found[-1].replace(",", "")
+    return value[:-2] if value.endswith(".0") else value
+
+
+class MathJSONLTask:
+    def __init__(self, tokenizer, *, path: str,
+                 prompt_template: str = "{question}\nAnswer:", seed: int = 0):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset {path} does not exist")
+        self.rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                row = json.loads(line)
+                if "question" not in row or "answer" not in row:
+                    raise ValueError(f"{path}:{n} needs 'question' and 'answer' fields")
+                self.rows.append(row)
+        if not self.rows:
+            raise ValueError(f"dataset {path} is empty")
+        self.tokenizer, self.template = tokenizer, prompt_template
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+    def sample_prompts(self, n: int) -> tuple[Tensor, list[str]]:
+        """n prompts, left-padded with the tokenizer's pad id to one length, and their answers."""
+        idx = torch.randint(0, len(self.rows), (n,), generator=self.generator).tolist()
+        encoded = [self.tokenizer.encode(self.template.format(question=self.rows[i]["question"]))
+                   for i in idx]
+        width = max(len(e) for e in encoded)
+        tokens = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
+        for row, e in enumerate(encoded):
+            tokens[row, width - len(e):] = torch.tensor(e)
+        return tokens, [final_number(str(self.rows[i]["answer"])) for i in idx]
+
+    def rewards(self, responses: Tensor, answers: list[str]) -> Tensor:
+        out = [float(final_number(self.tokenizer.decode(ids)) == answer and answer is not None)
+               for ids, answer in zip(responses.tolist(), answers)]
+        return torch.tensor(out)

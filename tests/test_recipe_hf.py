@@ -1,0 +1,95 @@
+"""The real-checkpoint config path on CPU: a tiny transformers Qwen3 checkpoint, its tokenizer
+files and a JSONL math dataset, written here, run for two steps through the Qwen3-1.7B config."""
+
+import json
+import string
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf  # a test dependency
+from omegaconf import OmegaConf
+
+from dualkv_compile.rl import HFTokenizer, MathJSONLTask, final_number
+
+from test_recipe_grpo import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+CHARS = list(string.ascii_letters + string.digits + " +-*=?.,:#\n")
+
+
+def write_tokenizer(folder: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate([*specials, *dict.fromkeys(CHARS)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                      eos_token="<eos>")
+    fast.save_pretrained(folder)
+
+
+def write_checkpoint(folder: Path, vocab: int) -> None:
+    torch.manual_seed(0)
+    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
+    tf.Qwen3ForCausalLM._from_config(cfg).save_pretrained(folder, safe_serialization=True)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    folder = tmp_path / "qwen3-tiny"
+    write_tokenizer(folder)
+    write_checkpoint(folder, len(HFTokenizer(str(folder))._tok))
+    data = tmp_path / "train.jsonl"
+    rows = [{"question": f"what is {a}+{b}?", "answer": f"#### {a + b}"}
+            for a in range(3) for b in range(3)]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    return folder, data
+
+
+def test_two_steps_through_the_qwen3_config(tmp_path, checkpoint):
+    folder, data = checkpoint
+    cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_1_7b_grpo.yaml")
+    for key, value in {"checkpoint_dir": str(folder), "task.path": str(data), "device": "cpu",
+                       "dtype": "fp32", "output_dir": str(tmp_path / "run"), "num_steps": 2,
+                       "groups_per_step": 2, "group_size": 2, "max_generated_tokens": 6,
+                       "micro_batch_groups": 1}.items():
+        OmegaConf.update(cfg, key, value)
+    recipe = load_recipe().GRPORecipe(cfg)
+    recipe.setup()
+    # the weights are the checkpoint's: our model equals transformers on them
+    hf = tf.Qwen3ForCausalLM.from_pretrained(folder).eval()
+    tokens = torch.randint(3, 40, (1, 9))
+    pos = torch.arange(9)[None]
+    with torch.no_grad():
+        ours = recipe.model.eval()(tokens, input_pos=pos)
+        torch.testing.assert_close(ours, hf(input_ids=tokens, position_ids=pos).logits,
+                                   rtol=1e-4, atol=1e-4)
+    recipe.model.train()
+    recipe.train()
+    recipe.cleanup()
+    assert [h["step"] for h in recipe.history] == [1, 2]
+    assert all(h["rho"] > 1 for h in recipe.history)  # left-padded prompts, shared per group
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+
+
+def test_math_reward_and_padding(checkpoint):
+    folder, data = checkpoint
+    tok = HFTokenizer(str(folder))
+    task = MathJSONLTask(tok, path=str(data), seed=1)
+    prompts, answers = task.sample_prompts(4)
+    assert (prompts[:, -1] != tok.pad_id).all()  # left-padded
+    good = torch.tensor([tok.encode(f"so {answers[0]}", add_bos=False)])
+    bad = torch.tensor([tok.encode("so 99", add_bos=False)])
+    assert task.rewards(good, answers[:1]).tolist() == [1.0]
+    assert task.rewards(bad, answers[:1]).tolist() == [0.0]
+    assert final_number("a 1,200.0 b") == "1200" and final_number("none") is None
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer directory"):
+        HFTokenizer(str(tmp_path / "nope"))
