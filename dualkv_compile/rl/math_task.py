@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .tasks import SeededTask
+
 __all__ = ["MathJSONLTask", "final_number"]
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -27,9 +29,10 @@ def final_number(text: str) -> str | None:
     return value[:-2] if value.endswith(".0") else value
 
 
-class MathJSONLTask:
+class MathJSONLTask(SeededTask):
     def __init__(self, tokenizer, *, path: str,
                  prompt_template: str = "{question}\nAnswer:", seed: int = 0):
+        super().__init__(seed)
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"dataset {path} does not exist")
@@ -43,13 +46,6 @@ class MathJSONLTask:
         if not self.rows:
             raise ValueError(f"dataset {path} is empty")
         self.tokenizer, self.template = tokenizer, prompt_template
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
 
     def sample_prompts(self, n: int) -> tuple[Tensor, list[str]]:
         """n prompts, left-padded with the tokenizer's pad id to one length, and their answers."""

@@ -14,7 +14,7 @@ import string
 import torch
 from torch import Tensor
 
-__all__ = ["CharTokenizer", "RepeatLastLetterTask"]
+__all__ = ["CharTokenizer", "RepeatLastLetterTask", "SeededTask"]
 
 
 class CharTokenizer:
@@ -49,13 +49,11 @@ class CharTokenizer:
         return "".join(out)
 
 
-class RepeatLastLetterTask:
-    def __init__(self, tokenizer: CharTokenizer, *, prompt_letters: int = 6, target_len: int = 8,
-                 letters: str = "abcdefgh", seed: int = 0):
-        if not set(letters) <= set(tokenizer.alphabet):
-            raise ValueError(f"letters {letters!r} are not all in the tokenizer's alphabet")
-        self.tokenizer, self.prompt_letters, self.target_len = tokenizer, prompt_letters, target_len
-        self.letters = letters
+class SeededTask:
+    """A task that draws prompts from its own generator, so a resumed run continues the same
+    data order (`state_dict` / `load_state_dict` carry the generator)."""
+
+    def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)
 
     def state_dict(self) -> dict:
@@ -63,6 +61,16 @@ class RepeatLastLetterTask:
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
+
+
+class RepeatLastLetterTask(SeededTask):
+    def __init__(self, tokenizer: CharTokenizer, *, prompt_letters: int = 6, target_len: int = 8,
+                 letters: str = "abcdefgh", seed: int = 0):
+        if not set(letters) <= set(tokenizer.alphabet):
+            raise ValueError(f"letters {letters!r} are not all in the tokenizer's alphabet")
+        super().__init__(seed)
+        self.tokenizer, self.prompt_letters, self.target_len = tokenizer, prompt_letters, target_len
+        self.letters = letters
 
     def sample_prompts(self, n: int) -> tuple[Tensor, list[str]]:
         """n prompts of equal length: tokens [n, prompt_letters + 2] and their answer letters."""
