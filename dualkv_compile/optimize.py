@@ -133,11 +133,14 @@ class DualKVModel(nn.Module):
         kwargs = dict(kwargs)
         if self._adapter.name == "torchtune":
             tokens = args[0] if args else kwargs.pop("tokens")
-            if kwargs.pop("mask", None) is not None:
-                raise ValueError("pass padding_mask= ([B, L] bool) instead of torchtune's [B, L, L] "
-                                 "mask; the wrapper builds the attention mask itself")
             padding_mask = kwargs.pop("padding_mask", None)
             positions = kwargs.pop("input_pos", None)
+            mask = kwargs.pop("mask", None)
+            if mask is not None:
+                derived = self._padding_from_torchtune_mask(mask, positions)
+                if padding_mask is not None and not torch.equal(padding_mask, derived):
+                    raise ValueError("mask and padding_mask describe different padding")
+                padding_mask = derived
         else:
             tokens = args[0] if args else kwargs.pop("input_ids")
             padding_mask = kwargs.pop("attention_mask", kwargs.pop("padding_mask", None))
@@ -154,9 +157,31 @@ class DualKVModel(nn.Module):
                                  "tokens, which is what the packed layout uses")
         return tokens, padding_mask
 
+    def _padding_from_torchtune_mask(self, mask: Tensor, positions: Tensor | None) -> Tensor:
+        """torchtune's [B, L, L] mask (get_causal_mask_from_padding_mask: causal over valid keys,
+        diagonal forced True) -> the [B, L] padding mask. Its last row gives every column but
+        the last; whether the last column is padding only input_pos tells (padding has 0)."""
+        if mask.dim() != 3 or mask.shape[1] != mask.shape[2] or mask.dtype != torch.bool:
+            raise ValueError(f"mask must be torchtune's bool [B, L, L] causal mask, got "
+                             f"{tuple(mask.shape)} {mask.dtype}")
+        if positions is None:
+            raise ValueError("with torchtune's mask, pass input_pos as well: only the positions "
+                             "tell whether the last column is padding (or pass padding_mask=)")
+        padding = mask[:, -1, :].clone()
+        if mask.shape[1] > 1:
+            padding[:, -1] = positions[:, -1] > 0
+        expected = self._adapter.replicated_mask(padding)
+        if not torch.equal(mask, expected):
+            raise ValueError("mask is not a causal padding mask as torchtune's "
+                             "get_causal_mask_from_padding_mask builds it; only causal attention "
+                             "can share a prompt")
+        return padding
+
     # ---- public API -----------------------------------------------------------------------
     def forward(self, *args, prompt_len: int, **kwargs):
-        """Drop-in for the model's forward on a replicated batch, plus `prompt_len`. Returns
+        """Drop-in for the model's forward on a replicated batch, plus `prompt_len`: torchtune's
+        (tokens, mask, input_pos) or padding_mask=, transformers' (input_ids, attention_mask,
+        position_ids). Returns
         logits [B, L, V] (torchtune) or the transformers output with `.logits` [B, L, V];
         padding positions hold 0."""
         tokens, padding_mask = self._split_forward_args(args, kwargs)

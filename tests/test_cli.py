@@ -87,6 +87,9 @@ def test_plan_prints_the_estimate(capsys):
                  "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "token reduction rho:          4.00x  (81920 -> 20480 tokens)" in out
+    assert main(["plan", "--model", "llama3_2", "-N", "4", "-P", "10", "-R", "5"]) == 0
+    tiny = capsys.readouterr().out
+    assert "2 layers, d=32" in tiny and "token reduction rho:          2.00x  (60 -> 30 tokens)" in tiny
     assert "attention FLOP reduction:     2.50x (causal pairs)" in out
     assert "groups per micro-batch in 80 GiB, layer checkpointing:" in out
     e = estimate({"hidden": 8, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 4, "ff": 16,

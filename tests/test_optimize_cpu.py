@@ -321,3 +321,24 @@ def test_heads_that_are_not_a_plain_linear_map_are_rejected():
     hf.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
         dk.optimize(hf)
+
+
+def test_torchtune_mask_and_input_pos_are_accepted():
+    from torchtune.generation import (
+        get_causal_mask_from_padding_mask,
+        get_position_ids_from_padding_mask,
+    )
+
+    model = same_dtype_numerics(tiny_model("llama3_2")).double()
+    tokens, mask, p = batch()
+    assert not mask[:, -1].all() and mask[:, -1].any()  # the last column is ambiguous in the mask
+    tt_mask = get_causal_mask_from_padding_mask(mask)
+    input_pos = get_position_ids_from_padding_mask(mask)
+    wrapper = dk.optimize(model)
+    logits = wrapper(tokens, mask=tt_mask, input_pos=input_pos, prompt_len=p)
+    ref = wrapper(tokens, padding_mask=mask, prompt_len=p)
+    assert torch.equal(logits, ref)
+    with pytest.raises(ValueError, match="pass input_pos as well"):
+        wrapper(tokens, mask=tt_mask, prompt_len=p)
+    with pytest.raises(ValueError, match="not a causal padding mask"):
+        wrapper(tokens, mask=torch.ones_like(tt_mask), input_pos=input_pos, prompt_len=p)
