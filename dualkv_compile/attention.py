@@ -18,6 +18,7 @@ from torch import Tensor
 from .block_mask import shared_prefix_block_mask
 from .kernel_options import kernel_options_for
 from .packing import PackedBatch
+from .recompiles import bounded_recompiles
 from .reference import reference_shared_prefix_attention
 
 __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
@@ -68,21 +69,9 @@ def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False):
 
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                               kernel_options=options)
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
-    try:
-        with torch._dynamo.config.patch(
-            recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True
-        ):
-            return _flex(dynamic)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                  kernel_options=options)
-    except FailOnRecompileLimitHit as e:
-        raise RuntimeError(
-            f"flex_attention was compiled for {RECOMPILE_LIMIT} shape classes already (this "
-            f"call: T={packed.seq_len}, q {tuple(q.shape)}, {q.dtype}); Dynamo would now fall "
-            f"back to eager flex, which builds [T, T] scores. Pack with a coarser pad_to so "
-            f"fewer distinct lengths occur."
-        ) from e
+    with bounded_recompiles(RECOMPILE_LIMIT, f"flex_attention (this call: T={packed.seq_len})"):
+        return _flex(dynamic)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                              kernel_options=options)
 
 
 def shared_prefix_attention(

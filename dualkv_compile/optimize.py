@@ -20,6 +20,7 @@ from .config import DualKVConfig
 from .layout_inputs import layout_anchor, layout_tables
 from .logprobs import chunked_logprobs
 from .packing import PackedBatch, pack
+from .recompiles import bounded_recompiles
 from .stats import counters
 
 __all__ = ["optimize", "DualKVModel"]
@@ -99,8 +100,7 @@ class DualKVModel(nn.Module):
                 fullgraph=True, dynamic=False)
         tables, template = layout_tables(packed, device)
         self._backends[mode].template = template
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                        fail_on_recompile_limit_hit=True):
+        with bounded_recompiles(RECOMPILE_LIMIT, f"the dualkv model ({mode} mode)"):
             return self._compiled[mode](packed.tokens, packed.positions, tables)
 
     def _packed_or_dense(self, packed_fn, dense_fn):
