@@ -1,8 +1,10 @@
 """The torch.compile backend of optimize(): runs the passes on Dynamo's graph, then compiles.
 
-Passes, in order, on a copy of the graph: attention rewrite (SDPA -> shared-prefix flex, the
+Passes, in order, on a copy of the graph: checkpoint inlining (activation-checkpointed layers
+become plain nodes tagged for recompute), attention rewrite (SDPA -> shared-prefix flex, the
 model's mask code removed), token-locality proof, and for response_logprobs the LM-head cut.
-Then Inductor (CUDA), aot_eager (CPU: Inductor's CPU flex has no backward) or eager.
+Then Inductor (CUDA), aot_eager (CPU: Inductor's CPU flex has no backward) or eager; both run
+the attention-saving pass on the joint graph before the partitioner decides what to recompute.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import logging
 import torch
 import torch.fx as fx
 
-from dualkv_compile.passes import attention_rewrite, lm_head, token_locality
+from dualkv_compile.passes import (attention_rewrite, attention_saving, checkpoint_inline,
+                                   lm_head, token_locality)
 
 from .kernel_options import validate_kernel_options
 from .stats import counters
@@ -25,7 +28,8 @@ log = logging.getLogger(__name__)
 def pass_uuids() -> dict[str, str]:
     """Cache ids of the passes; they change whenever a pass's source changes."""
     return {m.__name__.split(".")[-1]: m.uuid()
-            for m in (attention_rewrite, token_locality, lm_head)}
+            for m in (checkpoint_inline, attention_rewrite, token_locality, lm_head,
+                      attention_saving)}
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -49,12 +53,15 @@ class DualKVBackend:
         self.activation_memory_budget = activation_memory_budget
         self.template = None
         self.last_graph: fx.GraphModule | None = None  # after the passes, for tests and the CLI
+        self.last_partition = None  # (forward, backward) graphs, aot_eager only
         self.observer = None  # observer(stage, graph_module) after each pass: the CLI's view
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         gm = _copy(gm)  # Dynamo's graph belongs to Dynamo; edit a copy
         observe = self.observer or (lambda stage, graph_module: None)
         observe("traced", gm)
+        if checkpoint_inline.inline_checkpoints(gm):
+            observe("checkpoint_inline", gm)
         anchor = attention_rewrite.find_anchor(gm.graph)
         tokens, positions, tables = anchor.args
         attention_rewrite.rewrite_attention(gm, self.template, self.kernel_options)
@@ -72,9 +79,27 @@ class DualKVBackend:
             return gm.forward
         with torch._functorch.config.patch(activation_memory_budget=self.activation_memory_budget):
             if self.compiler == "inductor":
+                from torch._inductor import config as inductor_config
                 from torch._inductor.compile_fx import compile_fx
 
-                return compile_fx(gm, example_inputs)
-            from torch._dynamo.backends.registry import lookup_backend
+                with inductor_config.patch(joint_custom_post_pass=attention_saving.SaveAttentionPass()):
+                    return compile_fx(gm, example_inputs)
+            return _aot_eager(gm, example_inputs, self)
 
-            return lookup_backend("aot_eager")(gm, example_inputs)
+
+def _aot_eager(gm: fx.GraphModule, example_inputs, backend: DualKVBackend):
+    """aot_eager with the attention-saving pass before min-cut partitioning; the partitioned
+    forward and backward graphs are kept on `backend.last_partition` for tests."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        attention_saving.save_attention(joint.graph)
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        backend.last_partition = (fw, bw)
+        return fw, bw
+
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+                        keep_inference_input_mutations=True)(gm, example_inputs)

@@ -1,4 +1,5 @@
 """FX graph passes run by the dualkv compile backend (installed as dualkv_compile.passes).
 
-The attention-rewrite and token-dedup passes land with issue #3; nothing is exported yet.
+On Dynamo's graph, in order: checkpoint_inline, attention_rewrite, token_locality, lm_head.
+On AOTAutograd's joint graph, before partitioning: attention_saving.
 """

@@ -12,6 +12,8 @@ import json
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 
 import dualkv_compile as dk
 from dualkv_compile.testing import make_batch, rel_err, row_by_row_response_logprobs, tiny_model
@@ -41,14 +43,31 @@ def batch(seed, vocab):
     return tokens % vocab, mask, p
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_model_matches_plain_model(family):
+def enable_checkpointing(model):
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    else:
+        from torchtune.modules import TransformerSelfAttentionLayer
+        from torchtune.training import set_activation_checkpointing
+
+        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    return model
+
+
+@pytest.mark.parametrize("family,checkpointing", [(f, False) for f in FAMILIES]
+                         + [("hf_qwen3", True), ("qwen2_5", True)])
+@torch._inductor.config.patch(fx_graph_cache=False)  # the counters below need a real compile
+@torch._functorch.config.patch(enable_autograd_cache=False)
+def test_bf16_model_matches_plain_model(family, checkpointing):
     dk.counters.clear()
     vocab = 1024
     base = tiny_model(family, vocab=vocab, dim=256, max_seq_len=2048).cuda()
     ref32 = copy.deepcopy(base).float()
     plain = copy.deepcopy(base).bfloat16()
     ours = copy.deepcopy(base).bfloat16()
+    if checkpointing:  # the model's own checkpointed layers, under Inductor
+        enable_checkpointing(ours)
     tokens, mask, p = batch(0, vocab)
     adv = torch.linspace(-1, 1, tokens.shape[0], device="cuda")
     wrapper = dk.optimize(ours)
@@ -59,12 +78,14 @@ def test_bf16_model_matches_plain_model(family):
     o = logprobs_and_grads(lambda: wrapper.response_logprobs(tokens, prompt_len=p,
                                                              padding_mask=mask),
                            ours, tokens, mask, p, adv)
-    errs = {"family": family, "logprobs": {"ours": rel_err(o[0], r[0]), "dense_bf16": rel_err(d[0], r[0])},
+    errs = {"family": family, "checkpointing": checkpointing, "logprobs": {"ours": rel_err(o[0], r[0]), "dense_bf16": rel_err(d[0], r[0])},
             "grads": {"ours": rel_err(o[1], r[1]), "dense_bf16": rel_err(d[1], r[1])},
             "counters": dict(dk.counters)}
     print(json.dumps(errs))
     assert torch.isfinite(o[0]).all() and torch.isfinite(o[1]).all()
     assert dk.counters["attention_rewritten"] == 2 and dk.counters["dense_fallback"] == 0
+    assert dk.counters["checkpoints_inlined"] == (2 if checkpointing else 0)
+    assert dk.counters["attention_saved"] == 2  # Inductor ran the joint-graph pass
     for key in ("logprobs", "grads"):
         assert errs[key]["ours"] <= 2 * errs[key]["dense_bf16"], (key, errs[key])
 

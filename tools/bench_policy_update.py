@@ -4,9 +4,10 @@ model run plainly (PyTorch's SDPA dispatch, which picks cuDNN on an H100). Not a
 
     python -m dualkv_compile.tools.bench_policy_update --out docs/results/policy_update_h100
 
-The plain model uses transformers' gradient checkpointing (--plain-checkpointing off to
-compare without); the optimized one keeps all activations unless --memory-budget < 1 makes
-AOTAutograd recompute some. Useful FLOPs count
+Both models use transformers' gradient checkpointing by default (--plain-checkpointing /
+--dualkv-checkpointing off to compare without); the optimized model's checkpointed layers are
+recomputed in its backward except for the shared-prefix attention, whose inputs and outputs are
+saved. --memory-budget < 1 instead lets AOTAutograd choose what to recompute. Useful FLOPs count
 the packed computation (each prompt once): 6 x params per token for the layers, 12 x D x Hq per
 causal pair for attention, 6 x V x d per predicted response token; MFU divides by the bf16
 dense peak given by --peak-tflops.
@@ -89,6 +90,9 @@ def main(argv=None):
                     help="bf16 dense peak for MFU (H100 SXM: 989)")
     ap.add_argument("--plain-checkpointing", choices=["on", "off"], default="on",
                     help="transformers gradient checkpointing for the plain model")
+    ap.add_argument("--dualkv-checkpointing", choices=["on", "off"], default="on",
+                    help="the same transformers gradient checkpointing for the optimized model "
+                         "(its layers are inlined and recomputed; attention is saved)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, profile one step of each variant at the first "
@@ -104,7 +108,8 @@ def main(argv=None):
             "vocab": args.vocab, "dtype": "bfloat16", "steps": args.steps,
             "warmup": args.warmup, "memory_budget": args.memory_budget,
             "params": sum(q.numel() for q in model.parameters()),
-            "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing}
+            "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing,
+            "dualkv_checkpointing": args.dualkv_checkpointing}
     rows = []
     for n, p, r in args.shapes:
         g = torch.Generator().manual_seed(0)
@@ -118,7 +123,7 @@ def main(argv=None):
         variants = {
             "plain": (args.plain_checkpointing == "on",
                       dk.optimize(model, dk.DualKVConfig(enabled=False))),
-            "dualkv": (False, dk.optimize(model, dk.DualKVConfig(
+            "dualkv": (args.dualkv_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(
                 activation_memory_budget=args.memory_budget))),
         }
         for name, (checkpointing, wrapper) in variants.items():
@@ -180,7 +185,8 @@ def markdown(meta, rows):
             f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
             f"{meta['triton']}, transformers {meta['transformers']}; median of {meta['steps']} "
             f"steps after {meta['warmup']} warm-up. Plain: SDPA, transformers gradient "
-            f"checkpointing {meta.get('plain_checkpointing', 'on')}. dualkv: "
+            f"checkpointing {meta.get('plain_checkpointing', 'on')}. dualkv: transformers gradient "
+            f"checkpointing {meta.get('dualkv_checkpointing', 'off')}, "
             f"activation_memory_budget={meta['memory_budget']}.\n\n")
     cols = ["N", "P", "R", "rho", "plain ms", "dualkv ms", "speed-up", "speed-up/rho",
             "plain GiB", "dualkv GiB", "plain tok/s", "dualkv tok/s", "plain MFU", "dualkv MFU"]
