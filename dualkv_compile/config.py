@@ -29,10 +29,9 @@ class DualKVConfig:
     logprob_chunk_size: response positions per LM-head chunk in response_logprobs.
     activation_memory_budget: fraction of the activations the compiled graph keeps for the
         backward (1.0 keeps all); lower values make AOTAutograd's partitioner recompute the
-        rest, PyTorch's compile-time form of gradient checkpointing. Measured on an H100
-        (docs/results): at 0.5 the partitioner recomputes RoPE'd q/k in the backward and Inductor
-        inlines that into the flex backward kernel, which then ran 4x slower (40 ms vs 9.8 ms a
-        layer); prefer 1.0 while memory allows, the packed batch already needs rho x less.
+        rest, PyTorch's compile-time form of gradient checkpointing. The shared-prefix
+        attention and its inputs are never recomputed (passes/attention_saving.py). The model's
+        own checkpointed layers work too (README: Gradient checkpointing).
     """
 
     version: int = 1

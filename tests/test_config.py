@@ -40,5 +40,6 @@ def test_unknown_json_fields_are_named():
 
 def test_each_pass_has_a_source_derived_uuid():
     ids = pass_uuids()
-    assert set(ids) == {"attention_rewrite", "token_locality", "lm_head"}
-    assert len(set(ids.values())) == 3 and all(len(v) == 64 for v in ids.values())
+    assert set(ids) == {"checkpoint_inline", "attention_rewrite", "token_locality", "lm_head",
+                        "attention_saving"}
+    assert len(set(ids.values())) == 5 and all(len(v) == 64 for v in ids.values())
