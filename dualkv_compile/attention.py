@@ -1,7 +1,8 @@
 """shared_prefix_attention: the one attention op of the packed layout.
 
 CUDA: flex_attention, compiled once per process, with the BlockMask of the PackedBatch (built
-once, cached on it) and the architecture's validated kernel options. Dynamo's recompile limit
+once, cached on it), lowered to FLASH (FA4) or Triton (attention_backend.py) with the
+architecture's validated kernel options. Dynamo's recompile limit
 is raised deliberately for this call and made fatal: past it Dynamo would silently run eager
 flex, which materialises [T, T] scores.
 CPU (and any non-CUDA device): the SDPA reference, which supports backward; the public
@@ -60,9 +61,11 @@ def _check(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch) -> None:
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
 
 
-def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False):
+def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False,
+                    attention_backend="auto"):
     block_mask = shared_prefix_block_mask(packed, q.device)
-    options = kernel_options_for(q.device, kernel_options)
+    options = kernel_options_for(q.device, kernel_options, head_dim=q.shape[-1],
+                                 gqa=q.shape[1] // k.shape[1], attention_backend=attention_backend)
     gqa = q.shape[1] != k.shape[1]
     if torch.compiler.is_compiling():  # traced into an outer graph: the HOP is captured there
         from torch.nn.attention.flex_attention import flex_attention
@@ -82,17 +85,23 @@ def shared_prefix_attention(
     *,
     scale: float | None = None,
     kernel_options: dict[str, object] | None = None,
+    attention_backend: str = "auto",
 ) -> Tensor:
     """Causal attention of the packed batch, equal to causal SDPA on the replicated rows.
 
     q [1, Hq, T, D], k/v [1, Hkv, T, D] (Hkv divides Hq) -> [1, Hq, T, D]. A query sees earlier
     keys of its own segment and, for response tokens, its group's whole prompt. `scale`
-    defaults to 1/sqrt(D). `kernel_options` override the architecture's table entry (CUDA only;
-    validated, unknown keys raise).
+    defaults to 1/sqrt(D). `attention_backend` ("auto", "flash", "triton") picks the CUDA
+    kernel (see attention_backend.py); `kernel_options` override the architecture's table entry
+    (CUDA only; validated, unknown keys raise).
     """
     _check(q, k, v, packed)
     if q.device.type == "cuda":
-        return _flex_attention(q, k, v, packed, scale, kernel_options)
+        return _flex_attention(q, k, v, packed, scale, kernel_options,
+                               attention_backend=attention_backend)
+    if attention_backend not in ("auto", "triton"):
+        raise ValueError(f"attention_backend={attention_backend!r} is a CUDA kernel; q is on "
+                         f"{q.device}, which runs the reference")
     if kernel_options:
         raise ValueError(
             f"kernel_options={kernel_options!r} apply to the CUDA kernel only; q is on {q.device}"

@@ -43,11 +43,12 @@ class DualKVBackend:
     """One per (wrapper, mode). `template` (the BlockMask's as_tuple) is set before each call."""
 
     def __init__(self, *, compiler: str, kernel_options: dict, vocab_size: int, mode: str,
-                 activation_memory_budget: float = 1.0):
+                 activation_memory_budget: float = 1.0, attention_backend: str = "auto"):
         if mode not in ("logits", "hidden"):
             raise ValueError(f"mode={mode!r} must be 'logits' or 'hidden'")
         self.compiler = compiler
         self.kernel_options = validate_kernel_options(kernel_options)
+        self.attention_backend = attention_backend
         self.vocab_size = vocab_size
         self.mode = mode
         self.activation_memory_budget = activation_memory_budget
@@ -64,7 +65,8 @@ class DualKVBackend:
             observe("checkpoint_inline", gm)
         anchor = attention_rewrite.find_anchor(gm.graph)
         tokens, positions, tables = anchor.args
-        attention_rewrite.rewrite_attention(gm, self.template, self.kernel_options)
+        attention_rewrite.rewrite_attention(gm, self.template, self.kernel_options,
+                                            self.attention_backend)
         observe("attention_rewrite", gm)
         token_locality.prove_token_locality(gm.graph, tokens, positions, tables)
         observe("token_locality", gm)

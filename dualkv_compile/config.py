@@ -6,6 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .attention_backend import ATTENTION_BACKENDS
 from .kernel_options import validate_kernel_options
 
 __all__ = ["DualKVConfig"]
@@ -21,6 +22,9 @@ class DualKVConfig:
     enabled: False runs the plain model on the replicated batch (the baseline).
     pad_to: the packed length T is rounded up to a multiple of this (one compile per bucket);
         a multiple of 128, the FlexAttention block size.
+    attention_backend: the CUDA attention kernel: "auto" (FLASH where flash-attn-4 imports on
+        sm_90/sm_100, else Triton, logged once), "flash" (raises where it cannot run) or
+        "triton".
     kernel_options: FlexAttention kernel options over the architecture's table (validated).
     backend: "auto" (Inductor on CUDA, aot_eager elsewhere, since Inductor's CPU flex has no
         backward), "inductor", "aot_eager" or "eager".
@@ -37,6 +41,7 @@ class DualKVConfig:
     version: int = 1
     enabled: bool = True
     pad_to: int = 128
+    attention_backend: str = "auto"
     kernel_options: dict = field(default_factory=dict)
     backend: str = "auto"
     fallback: str = "error"
@@ -50,6 +55,9 @@ class DualKVConfig:
             raise ValueError(f"enabled={self.enabled!r} must be a bool")
         if not isinstance(self.pad_to, int) or self.pad_to < 128 or self.pad_to % 128:
             raise ValueError(f"pad_to={self.pad_to!r} must be a positive multiple of 128")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
+                             f"{ATTENTION_BACKENDS}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {_BACKENDS}")
         if self.fallback not in _FALLBACKS:

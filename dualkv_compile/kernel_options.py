@@ -10,16 +10,15 @@ import typing
 
 import torch
 
-__all__ = ["KERNEL_OPTIONS_BY_ARCH", "kernel_options_for", "validate_kernel_options"]
+__all__ = ["TRITON_OPTIONS_BY_ARCH", "kernel_options_for", "validate_kernel_options"]
 
-# (major, minor) compute capability -> options. Tuned entries come from tools/ (issue #4); an
-# architecture without an entry runs Inductor's defaults.
-KERNEL_OPTIONS_BY_ARCH: dict[tuple[int, int], dict[str, object]] = {
-    # sm_90 (H100/H200): Inductor's defaults until the tuning script of issue #4 fills this in.
-    # Never set ROWS_GUARANTEED_SAFE here: although every query sees itself, a query's first
-    # visited (partial) block can be fully masked for that row when a query block spans two
-    # groups or a response and the padding; the unguarded online softmax then gives NaN (seen
-    # on an H100, torch 2.11).
+# Triton flex options: (major, minor) compute capability -> (head dim, GQA ratio) -> options,
+# written by tools/tune_kernel_options.py (its JSON output is committed under docs/results). A
+# missing architecture or shape runs Inductor's defaults. The FLASH backend takes none of these.
+# Never set ROWS_GUARANTEED_SAFE: although every query sees itself, a query's first visited
+# (partial) block can be fully masked for that row when a query block spans two groups or a
+# response and the padding; the unguarded online softmax then gives NaN (seen on an H100).
+TRITON_OPTIONS_BY_ARCH: dict[tuple[int, int], dict[tuple[int, int], dict[str, object]]] = {
     (9, 0): {},
 }
 
@@ -77,9 +76,24 @@ def validate_kernel_options(options: dict[str, object] | None) -> dict[str, obje
     return options
 
 
-def kernel_options_for(device: torch.device, overrides: dict[str, object] | None = None):
-    """The validated options for `device`'s architecture, with `overrides` on top."""
-    base: dict[str, object] = {}
-    if device.type == "cuda":
-        base = KERNEL_OPTIONS_BY_ARCH.get(torch.cuda.get_device_capability(device), {})
-    return validate_kernel_options({**base, **(overrides or {})})
+def kernel_options_for(device: torch.device, overrides: dict[str, object] | None = None, *,
+                       head_dim: int | None = None, gqa: int | None = None,
+                       attention_backend: str = "auto") -> dict[str, object]:
+    """The validated options for attention of `head_dim` and GQA ratio `gqa` on `device`: on
+    CUDA, the resolved backend (BACKEND="FLASH" or "TRITON") plus, for Triton, the
+    architecture's tuned entry; `overrides` on top. Elsewhere just `overrides`."""
+    overrides = validate_kernel_options(overrides)
+    if device.type != "cuda":
+        return overrides
+    from .attention_backend import resolve_attention_backend
+
+    if "BACKEND" in overrides and attention_backend != "auto":
+        raise ValueError(f"kernel_options BACKEND={overrides['BACKEND']!r} and "
+                         f"attention_backend={attention_backend!r} both choose the kernel; "
+                         f"set one")
+    backend = overrides.get("BACKEND") or resolve_attention_backend(attention_backend, device)
+    base: dict[str, object] = {"BACKEND": backend}
+    if backend == "TRITON":
+        table = TRITON_OPTIONS_BY_ARCH.get(torch.cuda.get_device_capability(device), {})
+        base.update(table.get((head_dim, gqa), {}))
+    return validate_kernel_options({**base, **overrides})

@@ -92,6 +92,7 @@ class DualKVModel(nn.Module):
         if mode not in self._compiled:
             self._backends[mode] = DualKVBackend(
                 compiler=self._compiler(device), kernel_options=self.config.kernel_options,
+                attention_backend=self.config.attention_backend,
                 vocab_size=self._adapter.lm_head_weight(self.model).shape[0], mode=mode,
                 activation_memory_budget=self.config.activation_memory_budget)
             self._backends[mode].observer = self._observer

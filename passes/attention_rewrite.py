@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from dualkv_compile.kernel_options import kernel_options_for
 from dualkv_compile.layout_inputs import ANCHOR
 from dualkv_compile.stats import counters
 
@@ -120,7 +121,8 @@ def _block_mask_tuple(graph: fx.Graph, template: tuple, tables: list, mask_attr:
     return tuple(out)
 
 
-def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict) -> int:
+def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
+                      attention_backend: str = "auto") -> int:
     """Rewrite every SDPA node of `gm` in place; erase the anchor. Returns the rewrite count."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
     from torch.nn.attention.flex_attention import _apply_kernel_options
@@ -140,7 +142,10 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict)
         _check_sdpa(node, args, positions)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
         scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
-        options = _apply_kernel_options(q, k, v, False, dict(kernel_options))
+        options = kernel_options_for(q.device, kernel_options, head_dim=q.shape[-1],
+                                     gqa=q.shape[1] // k.shape[1],
+                                     attention_backend=attention_backend)
+        options = _apply_kernel_options(q, k, v, False, options)
         with graph.inserting_before(node):
             score_attr = graph.get_attr("dualkv_score_mod")
             mask_attr = graph.get_attr("dualkv_mask_mod")

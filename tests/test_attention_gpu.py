@@ -3,6 +3,8 @@
 Error criterion (per output and per gradient): ||ours_bf16 - ref_fp32|| / ||ref_fp32|| is at
 most twice what dense causal SDPA in bf16 on the replicated rows shows against the same fp32
 reference. The fp32 reference runs on the bf16 inputs upcast, so both see identical inputs.
+Every check runs on both CUDA kernels, Triton flex and FLASH (FA4); FLASH is skipped, with
+the reason, where flash-attn-4 is not installed or the GPU is not sm_90/sm_100.
 Run with `pytest -m gpu -s tests/test_attention_gpu.py` on a CUDA machine.
 """
 
@@ -22,19 +24,32 @@ from dualkv_compile.testing import (
 )
 
 pytestmark = pytest.mark.gpu
+BACKENDS = ["triton", "flash"]
 NAMES = ("out", "dq", "dk", "dv")
 RESULTS = []
 
 
-def compare_bf16(prompts, responses, hq, hkv, d, seed, shuffle=True):
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    from dualkv_compile.attention_backend import flash_status
+
+    if request.param == "flash" and torch.cuda.is_available():
+        available, reason = flash_status(torch.device("cuda"))
+        if not available:
+            pytest.skip(f"FLASH backend unavailable: {reason}")
+    return request.param
+
+
+def compare_bf16(prompts, responses, hq, hkv, d, seed, backend, shuffle=True):
     g = torch.Generator().manual_seed(seed)
     tokens, mask, p = make_batch(prompts, responses, shuffle=shuffle, generator=g, device="cuda")
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
     q, k, v, cot = random_qkv(pb, hq, hkv, d, dtype=torch.bfloat16, device="cuda", generator=g)
-    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot)
+    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
+                                   attention_backend=backend)
     dense = replicated_forward_backward(q, k, v, pb, mask, cot)
     ref = replicated_forward_backward(q.float(), k.float(), v.float(), pb, mask, cot)
-    row = {"T": pb.seq_len, "tokens": pb.num_tokens, "rows": tokens.shape[0], "groups": pb.num_groups,
+    row = {"backend": backend, "T": pb.seq_len, "tokens": pb.num_tokens, "rows": tokens.shape[0], "groups": pb.num_groups,
            "hq": hq, "hkv": hkv, "d": d}
     for name, a, b, r in zip(NAMES, ours, dense, ref):
         assert torch.isfinite(a).all(), name
@@ -57,16 +72,16 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("prompts,responses,hq,hkv,d", LAYOUTS)
-def test_bf16_matches_replicated(prompts, responses, hq, hkv, d):
-    compare_bf16(prompts, responses, hq, hkv, d, seed=len(prompts) * 1000 + d)
+def test_bf16_matches_replicated(prompts, responses, hq, hkv, d, backend):
+    compare_bf16(prompts, responses, hq, hkv, d, seed=len(prompts) * 1000 + d, backend=backend)
 
 
-def test_bf16_more_than_262144_packed_tokens():
-    pb = compare_bf16([4096], [[4096] * 64], 8, 2, 64, seed=5, shuffle=False)
+def test_bf16_more_than_262144_packed_tokens(backend):
+    pb = compare_bf16([4096], [[4096] * 64], 8, 2, 64, seed=5, backend=backend, shuffle=False)
     assert pb.num_tokens > 262_144
 
 
-def test_recompiles_stay_bounded_over_new_batches_and_lengths():
+def test_recompiles_stay_bounded_over_new_batches_and_lengths(backend):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # start cold, so the first batch must compile
@@ -77,10 +92,11 @@ def test_recompiles_stay_bounded_over_new_batches_and_lengths():
         tokens, mask, p = make_batch([100], lengths, generator=g, device="cuda")
         pb = pack(tokens, prompt_len=p, padding_mask=mask)
         q, k, v, cot = random_qkv(pb, 8, 2, 64, dtype=torch.bfloat16, device="cuda", generator=g)
-        packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot)
+        packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
+                                attention_backend=backend)
         seen.append(pb.seq_len)
     compiles = counters["stats"]["unique_graphs"] - before
-    print(json.dumps({"lengths": seen, "new_graphs": compiles}))
+    print(json.dumps({"backend": backend, "lengths": seen, "new_graphs": compiles}))
     assert len(set(seen)) == 3  # two batches share T=640, another two T=1792
     assert compiles == 3, compiles  # one static compile per length bucket, none per batch
 

@@ -22,6 +22,7 @@ def test_frozen():
     ({"enabled": 1}, "enabled=1 must be a bool"),
     ({"pad_to": 100}, "pad_to=100 must be a positive multiple of 128"),
     ({"backend": "tvm"}, "backend='tvm' is not one of"),
+    ({"attention_backend": "cudnn"}, "attention_backend='cudnn' is not one of"),
     ({"fallback": "ignore"}, "fallback='ignore' is not one of"),
     ({"logprob_chunk_size": 0}, "logprob_chunk_size=0"),
     ({"activation_memory_budget": 0}, "activation_memory_budget=0 must be in"),

@@ -1,16 +1,19 @@
 import pytest
 import torch
 
+from dualkv_compile import attention_backend
 from dualkv_compile.kernel_options import (
-    KERNEL_OPTIONS_BY_ARCH,
+    TRITON_OPTIONS_BY_ARCH,
     kernel_options_for,
     validate_kernel_options,
 )
 
-
-@pytest.mark.parametrize("arch", sorted(KERNEL_OPTIONS_BY_ARCH))
-def test_every_table_entry_is_valid(arch):
-    assert validate_kernel_options(KERNEL_OPTIONS_BY_ARCH[arch]) == KERNEL_OPTIONS_BY_ARCH[arch]
+def test_every_table_entry_is_valid():
+    assert (9, 0) in TRITON_OPTIONS_BY_ARCH
+    for table in TRITON_OPTIONS_BY_ARCH.values():
+        for (head_dim, gqa), entry in table.items():
+            assert validate_kernel_options(entry) == entry and "BACKEND" not in entry
+            assert head_dim in (64, 128, 256) and gqa in (1, 4, 8)
 
 
 def test_good_options_pass_through():
@@ -40,3 +43,62 @@ def test_cpu_device_has_no_table_entry_but_overrides_are_validated():
     assert kernel_options_for(torch.device("cpu")) == {}
     with pytest.raises(ValueError, match="unknown kernel option"):
         kernel_options_for(torch.device("cpu"), {"nope": 1})
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device of a chosen architecture, with or without flash-attn-4, on the CPU."""
+    def make(capability, flash_installed):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        real_find_spec = attention_backend.importlib.util.find_spec
+        monkeypatch.setattr(attention_backend.importlib.util, "find_spec",
+                            lambda name: (object() if flash_installed else None)
+                            if name == "flash_attn.cute" else real_find_spec(name))
+        attention_backend._resolve.cache_clear()
+        return torch.device("cuda", 0)
+    yield make
+    attention_backend._resolve.cache_clear()
+
+
+def test_auto_takes_flash_where_it_imports_on_hopper(fake_gpu):
+    dev = fake_gpu((9, 0), True)
+    assert kernel_options_for(dev, head_dim=128, gqa=4) == {"BACKEND": "FLASH"}
+
+
+def test_auto_falls_back_to_triton_with_a_logged_reason(fake_gpu, caplog):
+    dev = fake_gpu((9, 0), False)
+    with caplog.at_level("WARNING", logger="dualkv_compile.attention_backend"):
+        opts = kernel_options_for(dev, head_dim=128, gqa=4)
+        kernel_options_for(dev, head_dim=128, gqa=4)
+    assert opts["BACKEND"] == "TRITON"
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "flash-attn-4 is not installed" in logged[0]  # once
+
+
+def test_triton_uses_the_tuned_entry_and_overrides_win(fake_gpu, monkeypatch):
+    dev = fake_gpu((9, 0), True)
+    monkeypatch.setitem(TRITON_OPTIONS_BY_ARCH, (9, 0), {(128, 4): {"BLOCK_M": 64}})
+    assert kernel_options_for(dev, head_dim=128, gqa=4, attention_backend="triton") == {
+        "BACKEND": "TRITON", "BLOCK_M": 64}
+    assert kernel_options_for(dev, {"BLOCK_M": 32}, head_dim=128, gqa=4,
+                              attention_backend="triton")["BLOCK_M"] == 32
+    assert kernel_options_for(dev, head_dim=64, gqa=1, attention_backend="triton") == {
+        "BACKEND": "TRITON"}  # no entry: Inductor's defaults
+
+
+@pytest.mark.parametrize("capability,installed,reason", [
+    ((8, 0), True, "this GPU is sm_80"), ((9, 0), False, "flash-attn-4 is not installed")])
+def test_asking_for_flash_where_it_cannot_run_raises_with_the_reason(fake_gpu, capability,
+                                                                     installed, reason):
+    dev = fake_gpu(capability, installed)
+    with pytest.raises(ValueError, match=reason):
+        kernel_options_for(dev, attention_backend="flash")
+
+
+def test_backend_chosen_twice_or_unknown_raises(fake_gpu):
+    dev = fake_gpu((9, 0), True)
+    with pytest.raises(ValueError, match="both choose the kernel"):
+        kernel_options_for(dev, {"BACKEND": "TRITON"}, attention_backend="flash")
+    with pytest.raises(ValueError, match="attention_backend='cute' is not one of"):
+        kernel_options_for(dev, attention_backend="cute")

@@ -1,0 +1,63 @@
+"""Which kernel runs the shared-prefix attention on a CUDA device: FLASH or Triton flex.
+
+FLASH is FlexAttention lowered to FlashAttention-4 through the CuTe DSL (the `flash` extra:
+flash-attn-4), for Hopper and Blackwell; it ran the shared-prefix mask at or above the ideal pair
+reduction (docs/performance.md). TRITON is Inductor's flex template, which runs everywhere.
+"auto" takes FLASH where it imports and the GPU supports it, else TRITON; the choice and its
+reason are logged once per device. Asking for "flash" where it cannot run raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+__all__ = ["ATTENTION_BACKENDS", "flash_status", "resolve_attention_backend"]
+
+log = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "flash", "triton")
+_FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
+
+
+def flash_status(device: torch.device) -> tuple[bool, str]:
+    """(available, reason) of the FLASH backend on `device`."""
+    if device.type != "cuda":
+        return False, f"FLASH needs a CUDA device, got {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in _FLASH_ARCHS:
+        return False, f"FLASH (FA4) supports sm_90 and sm_100; this GPU is sm_{major}{minor}"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # a flash_attn without the cute subpackage
+        found = False
+    if not found:
+        return False, "flash-attn-4 is not installed (pip install 'dualkv-compile[flash]')"
+    return True, f"flash-attn-4 imports and the GPU is sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(requested: str, device: torch.device) -> str:
+    available, reason = flash_status(device)
+    if requested == "flash" and not available:
+        raise ValueError(f"attention_backend='flash' cannot run: {reason}")
+    chosen = "FLASH" if requested == "flash" or (requested == "auto" and available) else "TRITON"
+    # a fallback from "auto" to Triton is worth a warning (it is slower); a choice is info
+    level = logging.WARNING if requested == "auto" and not available else logging.INFO
+    log.log(level, "dualkv attention backend on %s: %s (requested %r; %s)", device, chosen,
+            requested, reason)
+    return chosen
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """'FLASH' or 'TRITON' for `requested` in ATTENTION_BACKENDS on the CUDA `device`."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={requested!r} is not one of {ATTENTION_BACKENDS}")
+    if device.type != "cuda":
+        raise ValueError(f"attention backends are CUDA kernels; got device {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _resolve(requested, device)
