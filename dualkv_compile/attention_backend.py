@@ -21,10 +21,14 @@ log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "flash", "triton")
 _FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
+# head dims "auto" sends to FLASH: the ones its tests and benchmarks ran (docs/performance.md)
+FLASH_HEAD_DIMS = (64, 128)
 
 
-def flash_status(device: torch.device) -> tuple[bool, str]:
-    """(available, reason) of the FLASH backend on `device`."""
+def flash_status(device: torch.device, head_dim: int | None = None) -> tuple[bool, str]:
+    """(available, reason) of the FLASH backend on `device` (for `head_dim`, if given)."""
+    if head_dim is not None and head_dim not in FLASH_HEAD_DIMS:
+        return False, f"head dim {head_dim} is not one FLASH is used for {FLASH_HEAD_DIMS}"
     if device.type != "cuda":
         return False, f"FLASH needs a CUDA device, got {device}"
     major, minor = torch.cuda.get_device_capability(device)
@@ -40,9 +44,9 @@ def flash_status(device: torch.device) -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _resolve(requested: str, device: torch.device) -> str:
-    available, reason = flash_status(device)
-    if requested == "flash" and not available:
+def _resolve(requested: str, device: torch.device, head_dim: int | None) -> str:
+    available, reason = flash_status(device, head_dim)
+    if requested == "flash" and not flash_status(device)[0]:
         raise ValueError(f"attention_backend='flash' cannot run: {reason}")
     chosen = "FLASH" if requested == "flash" or (requested == "auto" and available) else "TRITON"
     # a fallback from "auto" to Triton is worth a warning (it is slower); a choice is info
@@ -52,12 +56,14 @@ def _resolve(requested: str, device: torch.device) -> str:
     return chosen
 
 
-def resolve_attention_backend(requested: str, device: torch.device) -> str:
-    """'FLASH' or 'TRITON' for `requested` in ATTENTION_BACKENDS on the CUDA `device`."""
+def resolve_attention_backend(requested: str, device: torch.device,
+                              head_dim: int | None = None) -> str:
+    """'FLASH' or 'TRITON' for `requested` in ATTENTION_BACKENDS on the CUDA `device`; "auto"
+    also needs `head_dim` in FLASH_HEAD_DIMS, an explicit "flash" only the library and GPU."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={requested!r} is not one of {ATTENTION_BACKENDS}")
     if device.type != "cuda":
         raise ValueError(f"attention backends are CUDA kernels; got device {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _resolve(requested, device)
+    return _resolve(requested, device, head_dim)

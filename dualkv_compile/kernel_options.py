@@ -91,7 +91,7 @@ def kernel_options_for(device: torch.device, overrides: dict[str, object] | None
         raise ValueError(f"kernel_options BACKEND={overrides['BACKEND']!r} and "
                          f"attention_backend={attention_backend!r} both choose the kernel; "
                          f"set one")
-    backend = overrides.get("BACKEND") or resolve_attention_backend(attention_backend, device)
+    backend = overrides.get("BACKEND") or resolve_attention_backend(attention_backend, device, head_dim)
     base: dict[str, object] = {"BACKEND": backend}
     if backend == "TRITON":
         table = TRITON_OPTIONS_BY_ARCH.get(torch.cuda.get_device_capability(device), {})

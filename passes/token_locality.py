@@ -18,9 +18,7 @@ Tensors that do not depend on the packed inputs (weights, RoPE tables) pass free
 from __future__ import annotations
 
 import math
-import operator
 
-import torch
 import torch.fx as fx
 from torch import Tensor
 
@@ -200,7 +198,7 @@ class _Proof:
         pos = {"chunk": 2, "split": 2, "tensor_split": 2, "unbind": 1}[name]
         dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else 0) % inp.dim()
         if dim == ax:
-            self.refuse(node, f"it splits along the sequence axis")
+            self.refuse(node, "it splits along the sequence axis")
         if name == "unbind":
             return [ax if ax < dim else ax - 1] * len(out)
         return [ax] * len(out)

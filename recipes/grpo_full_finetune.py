@@ -16,14 +16,13 @@ real-checkpoint configs of issue #5.
 from __future__ import annotations
 
 import copy
-import math
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torchtune import config
 from torchtune.generation import generate
 from torchtune.modules.common_utils import local_kv_cache

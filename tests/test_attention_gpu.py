@@ -76,6 +76,12 @@ def test_bf16_matches_replicated(prompts, responses, hq, hkv, d, backend):
     compare_bf16(prompts, responses, hq, hkv, d, seed=len(prompts) * 1000 + d, backend=backend)
 
 
+def test_bf16_long_context_32k_prompt(backend):
+    """P = 32K, N = 16, R = 2K, against the row-by-row fp32 reference."""
+    pb = compare_bf16([32768], [[2048] * 16], 8, 2, 128, seed=7, backend=backend, shuffle=False)
+    assert pb.num_tokens == 32768 + 16 * 2048
+
+
 def test_bf16_more_than_262144_packed_tokens(backend):
     pb = compare_bf16([4096], [[4096] * 64], 8, 2, 64, seed=5, backend=backend, shuffle=False)
     assert pb.num_tokens > 262_144

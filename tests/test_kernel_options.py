@@ -66,6 +66,13 @@ def test_auto_takes_flash_where_it_imports_on_hopper(fake_gpu):
     assert kernel_options_for(dev, head_dim=128, gqa=4) == {"BACKEND": "FLASH"}
 
 
+def test_auto_keeps_other_head_dims_on_triton_but_flash_can_be_asked_for(fake_gpu):
+    dev = fake_gpu((9, 0), True)
+    assert kernel_options_for(dev, head_dim=256, gqa=4)["BACKEND"] == "TRITON"
+    assert kernel_options_for(dev, head_dim=256, gqa=4,
+                              attention_backend="flash")["BACKEND"] == "FLASH"
+
+
 def test_auto_falls_back_to_triton_with_a_logged_reason(fake_gpu, caplog):
     dev = fake_gpu((9, 0), False)
     with caplog.at_level("WARNING", logger="dualkv_compile.attention_backend"):

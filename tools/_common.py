@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 
 import torch
 
-__all__ = ["add_shapes_argument", "environment"]
+__all__ = ["add_shapes_argument", "environment", "interleaved_medians"]
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -29,9 +30,32 @@ def add_shapes_argument(ap: argparse.ArgumentParser, defaults: list[str]) -> Non
 
 def environment() -> dict:
     """GPU, versions and capability, for the JSON of every benchmark (needs CUDA)."""
+    from importlib import metadata
+
     import triton
 
+    from dualkv_compile.attention_backend import flash_status
+
+    try:
+        flash_attn = metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        flash_attn = None
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-            "capability": list(torch.cuda.get_device_capability())}
+            "capability": list(torch.cuda.get_device_capability()), "flash_attn": flash_attn,
+            "flash_status": flash_status(torch.device("cuda"))[1]}
+
+
+def interleaved_medians(variants: dict, *, rounds: int, warmup_ms: int, rep_ms: int) -> dict:
+    """{name: (fn, grads)} -> {name: median ms}. Each round times every variant once, in turn,
+    so clock and thermal drift fall on all of them alike; the result is the median over rounds
+    of do_bench's medians (rep_ms is split over the rounds). `grads` are zeroed between calls."""
+    from triton.testing import do_bench
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (fn, grads) in variants.items():
+            times[name].append(do_bench(fn, warmup=warmup_ms, rep=max(1, rep_ms // rounds),
+                                        grad_to_none=grads, return_mode="median"))
+    return {name: statistics.median(ts) for name, ts in times.items()}

@@ -6,7 +6,9 @@ cuDNN backends) against shared_prefix_attention on the packed batch. Not a test.
 prints a table and writes <out>.json and <out>.md. Useful FLOPs count only the causal pairs
 each layout needs (forward 4*D*Hq per pair, backward 2.5x forward); speed-up is best dense time
 over ours; `/ideal` divides it by the pair reduction, the speed-up a kernel of equal per-pair
-efficiency would give.
+efficiency would give. All variants of a shape are timed in interleaved rounds in one process;
+`compile s` is the first call of the packed op at that length (a compile per length bucket,
+plus the block mask).
 """
 
 from __future__ import annotations
@@ -21,16 +23,12 @@ import torch.nn.functional as F
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention import _flex_attention
 from dualkv_compile.block_mask import shared_prefix_block_mask
-from dualkv_compile.tools._common import add_shapes_argument, environment
+from dualkv_compile.tools._common import add_shapes_argument, environment, interleaved_medians
 
-DEFAULT_SHAPES = ["16,2048,512", "32,4096,1024", "32,8192,1024", "16,8192,2048", "64,2048,512"]
+# the five shapes of issue #4, then long context (P=32K) and a layout of > 262,144 packed tokens
+DEFAULT_SHAPES = ["16,2048,512", "32,4096,1024", "32,8192,1024", "16,8192,2048", "64,2048,512",
+                  "16,32768,2048", "64,4096,4096"]
 
-
-
-def bench(fn, grads, warmup_ms, rep_ms) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grads, return_mode="median")
 
 
 def dense_variant(backend, q, k, v, gout):
@@ -58,7 +56,22 @@ def dense_variant(backend, q, k, v, gout):
     raise RuntimeError(f"SDPA backend {backend} cannot run this shape: {last}")
 
 
-def run_shape(n, p, r, hq, hkv, d, warmup_ms, rep_ms, layouts=False):
+def ours_backends(requested: list[str]) -> list[str]:
+    """The packed-op backends to time: each requested one that can run here."""
+    from dualkv_compile.attention_backend import flash_status
+
+    usable = []
+    for b in requested:
+        if b == "flash":
+            ok, reason = flash_status(torch.device("cuda"))
+            if not ok:
+                print(f"skipping ours_flash: {reason}", flush=True)
+                continue
+        usable.append(b)
+    return usable
+
+
+def run_shape(n, p, r, hq, hkv, d, args):
     dev, dt = "cuda", torch.bfloat16
     length = p + r
     tokens = torch.cat([torch.randint(1, 1000, (1, p)).expand(n, p),
@@ -71,69 +84,64 @@ def run_shape(n, p, r, hq, hkv, d, warmup_ms, rep_ms, layouts=False):
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     replicated_pairs, packed_pairs = pb.attention_pairs
-    row = {"N": n, "P": p, "R": r, "T": pb.seq_len, "rho": pb.rho,
+    row = {"N": n, "P": p, "R": r, "T": pb.seq_len, "tokens": pb.num_tokens, "rho": pb.rho,
            "pair_reduction": pb.pair_reduction, "pack_ms": (t1 - t0) * 1e3,
            "block_mask_ms": (t2 - t1) * 1e3}
     flop_per_pair = 4 * d * hq * 3.5
+    variants, pairs = {}, {}
 
-    q = torch.randn(n, hq, length, d, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(n, hkv, length, d, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(n, hkv, length, d, device=dev, dtype=dt, requires_grad=True)
-    gout = torch.randn(n, hq, length, d, device=dev, dtype=dt)
-    fn = grads = None
-    for backend in ("flash", "cudnn"):
-        try:
-            fn, grads, mode = dense_variant(backend, q, k, v, gout)
-            ms = bench(fn, grads, warmup_ms, rep_ms)
-            row[f"dense_{backend}"] = {"ms": ms, "gqa": mode,
-                                       "tflops": replicated_pairs * flop_per_pair / ms / 1e9}
-        except torch.OutOfMemoryError:
+    def alloc(batch, t):
+        x = [torch.randn(batch, h, t, d, device=dev, dtype=dt, requires_grad=True)
+             for h in (hq, hkv, hkv)]
+        return x + [torch.randn(batch, hq, t, d, device=dev, dtype=dt)]
+
+    try:
+        q, k, v, gout = alloc(n, length)
+        for backend in ("flash", "cudnn"):
+            try:
+                fn, grads, mode = dense_variant(backend, q, k, v, gout)
+                variants[f"dense_{backend}"], pairs[f"dense_{backend}"] = (fn, grads), replicated_pairs
+                row[f"dense_{backend}"] = {"gqa": mode}
+            except torch.OutOfMemoryError:
+                row[f"dense_{backend}"] = {"ms": None, "error": "OOM"}
+            except RuntimeError as e:
+                row[f"dense_{backend}"] = {"ms": None, "error": str(e).splitlines()[0][:200]}
+    except torch.OutOfMemoryError:
+        for backend in ("flash", "cudnn"):
             row[f"dense_{backend}"] = {"ms": None, "error": "OOM"}
-        except RuntimeError as e:
-            row[f"dense_{backend}"] = {"ms": None, "error": str(e).splitlines()[0][:200]}
-        torch.cuda.empty_cache()
-    del q, k, v, gout, grads, fn
-    torch.cuda.empty_cache()
 
-    qp = torch.randn(1, hq, pb.seq_len, d, device=dev, dtype=dt, requires_grad=True)
-    kp = torch.randn(1, hkv, pb.seq_len, d, device=dev, dtype=dt, requires_grad=True)
-    vp = torch.randn(1, hkv, pb.seq_len, d, device=dev, dtype=dt, requires_grad=True)
-    gp = torch.randn(1, hq, pb.seq_len, d, device=dev, dtype=dt)
+    qp, kp, vp, gp = alloc(1, pb.seq_len)
 
-    def ours():
-        shared_prefix_attention(qp, kp, vp, pb).backward(gp)
+    def make_ours(backend, dynamic=False):
+        def run():
+            if dynamic:  # the same op compiled with a symbolic T, for comparison
+                out = _flex_attention(qp, kp, vp, pb, None, None, dynamic=True,
+                                      attention_backend=backend)
+            else:
+                out = shared_prefix_attention(qp, kp, vp, pb, attention_backend=backend)
+            out.backward(gp)
+        return run
 
-    def ours_dynamic():  # the same op compiled with a symbolic T, for comparison
-        _flex_attention(qp, kp, vp, pb, None, None, dynamic=True).backward(gp)
-
-    # the layout a model hands over: [1, T, H, D] projections viewed as [1, H, T, D]
-    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (qp, kp, vp))
-    gt = gp.transpose(1, 2).contiguous()
-
-    def ours_transposed():
-        shared_prefix_attention(qt.transpose(1, 2), kt.transpose(1, 2), vt.transpose(1, 2),
-                                pb).backward(gt.transpose(1, 2))
-
-    variants = [("ours", ours), ("ours_dynamic", ours_dynamic)]
-    if layouts:
-        variants.append(("ours_transposed", ours_transposed))
-    for name, fn_ in variants:
+    ours = [(f"ours_{b}", make_ours(b)) for b in ours_backends(args.backends)]
+    if args.dynamic:
+        ours.append(("ours_triton_dynamic", make_ours("triton", dynamic=True)))
+    for name, fn in ours:
         t3 = time.perf_counter()
-        fn_()  # compiles: once per T for the static op, once or twice in all for the dynamic
+        fn()  # compiles: once per T and backend for the static op
         torch.cuda.synchronize()
-        ms = bench(fn_, [qp, kp, vp, qt, kt, vt], warmup_ms, rep_ms)
-        row[name] = {"ms": ms, "tflops": packed_pairs * flop_per_pair / ms / 1e9,
-                     "first_call_s": time.perf_counter() - t3}
-    ms = row["ours"]["ms"]
-    dense_ms = [row[f"dense_{b}"]["ms"] for b in ("flash", "cudnn") if row[f"dense_{b}"]["ms"]]
-    if dense_ms:
-        row["speedup_vs_best_dense"] = min(dense_ms) / ms
-        row["speedup_over_ideal"] = row["speedup_vs_best_dense"] / pb.pair_reduction
-    for b in ("flash", "cudnn"):
-        if row[f"dense_{b}"]["ms"]:
-            row[f"speedup_vs_{b}"] = row[f"dense_{b}"]["ms"] / ms
-    del qp, kp, vp, gp, qt, kt, vt, gt
-    torch.cuda.empty_cache()
+        row[name] = {"first_call_s": time.perf_counter() - t3}
+        variants[name], pairs[name] = (fn, [qp, kp, vp]), packed_pairs
+
+    medians = interleaved_medians(variants, rounds=args.rounds, warmup_ms=args.warmup_ms,
+                                  rep_ms=args.rep_ms)
+    for name, ms in medians.items():
+        row[name].update(ms=ms, tflops=pairs[name] * flop_per_pair / ms / 1e9)
+    dense_ms = [row[f"dense_{b}"].get("ms") for b in ("flash", "cudnn")]
+    dense_ms = [x for x in dense_ms if x]
+    for name, _ in ours:
+        if dense_ms:
+            row[name]["speedup_vs_best_dense"] = min(dense_ms) / row[name]["ms"]
+            row[name]["speedup_over_ideal"] = row[name]["speedup_vs_best_dense"] / pb.pair_reduction
     return row
 
 
@@ -144,22 +152,26 @@ def fmt(x, spec):
 def markdown(meta, rows) -> str:
     head = (f"Attention fwd+bwd, {meta['dtype']}, Hq={meta['hq']}, Hkv={meta['hkv']}, "
             f"D={meta['d']}, one {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
-            f"CUDA {meta['cuda']}; median of do_bench (warm-up {meta['warmup_ms']} ms, "
-            f"rep {meta['rep_ms']} ms).\n\n")
-    cols = ["N", "P", "R", "T", "flash ms", "cuDNN ms", "ours ms", "ours dyn. ms", "flash TFLOP/s",
-            "cuDNN TFLOP/s", "ours TFLOP/s", "ideal", "speed-up", "speed-up/ideal",
-            "mask build ms"]
+            f"CUDA {meta['cuda']}{', flash-attn-4 ' + meta['flash_attn'] if meta.get('flash_attn') else ''}; "
+            f"median over {meta['rounds']} interleaved rounds of do_bench medians (warm-up "
+            f"{meta['warmup_ms']} ms, {meta['rep_ms']} ms in all). Speed-up: best dense (on the "
+            f"replicated batch) over ours (on the packed batch); /ideal divides by the pair "
+            f"reduction.\n\n")
+    ours = [k for k in rows[0] if k.startswith("ours_")] if rows else []
+    cols = ["N", "P", "R", "packed tokens", "flash ms", "cuDNN ms"]
+    for o in ours:
+        cols += [f"{o} ms", f"{o} x", f"{o} x/ideal", f"{o} compile s"]
+    cols += ["ideal", "mask build ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        f, c, o = r["dense_flash"], r["dense_cudnn"], r["ours"]
-        lines.append("| " + " | ".join([
-            str(r["N"]), str(r["P"]), str(r["R"]), str(r["T"]),
-            fmt(f["ms"], ".2f"), fmt(c["ms"], ".2f"), fmt(o["ms"], ".2f"),
-            fmt(r["ours_dynamic"]["ms"], ".2f"),
-            fmt(f.get("tflops"), ".0f"), fmt(c.get("tflops"), ".0f"), fmt(o["tflops"], ".0f"),
-            f"{r['pair_reduction']:.2f}x", fmt(r.get("speedup_vs_best_dense"), ".2f"),
-            fmt(r.get("speedup_over_ideal"), ".2f"), f"{r['block_mask_ms']:.1f}",
-        ]) + " |")
+        cells = [str(r["N"]), str(r["P"]), str(r["R"]), str(r["tokens"]),
+                 fmt(r["dense_flash"].get("ms"), ".2f"), fmt(r["dense_cudnn"].get("ms"), ".2f")]
+        for o in ours:
+            x = r.get(o, {})
+            cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_vs_best_dense"), ".2f"),
+                      fmt(x.get("speedup_over_ideal"), ".2f"), fmt(x.get("first_call_s"), ".1f")]
+        cells += [f"{r['pair_reduction']:.2f}x", f"{r['block_mask_ms']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -169,22 +181,27 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--warmup-ms", type=int, default=200)
+    ap.add_argument("--warmup-ms", type=int, default=100)
     ap.add_argument("--rep-ms", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    ap.add_argument("--backends", nargs="+", choices=["triton", "flash"],
+                    default=["triton", "flash"],
+                    help="packed-op backends to time (flash where flash-attn-4 runs)")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="also time the Triton op compiled with a symbolic T")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
-    ap.add_argument("--layouts", action="store_true",
-                    help="also time ours on [1, T, H, D] tensors viewed as [1, H, T, D]")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
     if args.heads % args.kv_heads:
         ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     meta = {**environment(), "dtype": "bfloat16", "hq": args.heads, "hkv": args.kv_heads,
-            "d": args.head_dim, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
+            "d": args.head_dim, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+            "rounds": args.rounds}
     rows = []
     for n, p, r in args.shapes:
-        row = run_shape(n, p, r, args.heads, args.kv_heads, args.head_dim,
-                        args.warmup_ms, args.rep_ms, layouts=args.layouts)
+        row = run_shape(n, p, r, args.heads, args.kv_heads, args.head_dim, args)
+        torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         rows.append(row)
     table = markdown(meta, rows)

@@ -56,25 +56,53 @@ def grpo_loss(lp, mask, p, adv):
     return ((-adv[:, None] * torch.exp(lp - lp.detach()) + 0.04 * lp.pow(2)) * valid).sum() / valid.sum()
 
 
-def run_variant(name, model, wrapper, tokens, mask, p, adv, opt, steps, warmup):
-    torch.cuda.empty_cache()
+def set_checkpointing(model, on: bool) -> None:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def one_step(model, wrapper, tokens, mask, p, adv, opt) -> tuple[float, float]:
+    """(seconds, peak GiB) of one step; `opt` None: forward + backward only (`model` bench)."""
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    t_first = time.perf_counter()
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-        grpo_loss(lp, mask, p, adv).backward()
+    t0 = time.perf_counter()
+    lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    grpo_loss(lp, mask, p, adv).backward()
+    if opt is not None:
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i == 0:
-            first = time.perf_counter() - t_first
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return {"step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "first_step_s": first}
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30
+
+
+def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> dict:
+    """Warm every variant up (its first step compiles), then time them in interleaved steps:
+    plain, dualkv, plain, dualkv, ... A variant that runs out of memory is reported as OOM."""
+    results, live = {}, []
+    for name, (checkpointing, wrapper) in variants.items():
+        set_checkpointing(model, checkpointing)
+        torch.cuda.empty_cache()
+        try:
+            first, _ = one_step(model, wrapper, tokens, mask, p, adv, opt)
+            for _ in range(warmup - 1):
+                one_step(model, wrapper, tokens, mask, p, adv, opt)
+            results[name] = {"first_step_s": first, "step_ms_all": [], "peak_gib": 0.0}
+            live.append(name)
+        except torch.OutOfMemoryError:
+            results[name] = {"step_ms": None, "error": "OOM"}
+            model.zero_grad(set_to_none=True)
+    for _ in range(steps):
+        for name in live:
+            checkpointing, wrapper = variants[name]
+            set_checkpointing(model, checkpointing)
+            sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt)
+            results[name]["step_ms_all"].append(sec * 1e3)
+            results[name]["peak_gib"] = max(results[name]["peak_gib"], peak)
+    for name in live:
+        results[name]["step_ms"] = statistics.median(results[name]["step_ms_all"])
+    return results
 
 
 def main(argv=None):
@@ -93,6 +121,10 @@ def main(argv=None):
     ap.add_argument("--dualkv-checkpointing", choices=["on", "off"], default="on",
                     help="the same transformers gradient checkpointing for the optimized model "
                          "(its layers are inlined and recomputed; attention is saved)")
+    ap.add_argument("--no-optimizer", action="store_true",
+                    help="time response logprobs forward + backward only, no AdamW step")
+    ap.add_argument("--attention-backend", choices=["auto", "flash", "triton"], default="auto",
+                    help="the optimized model's attention kernel")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, profile one step of each variant at the first "
@@ -103,13 +135,14 @@ def main(argv=None):
     import transformers
 
     model = build_model(args.layers, args.vocab)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    opt = None if args.no_optimizer else torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     meta = {**environment(), "transformers": transformers.__version__, "layers": args.layers,
             "vocab": args.vocab, "dtype": "bfloat16", "steps": args.steps,
             "warmup": args.warmup, "memory_budget": args.memory_budget,
             "params": sum(q.numel() for q in model.parameters()),
             "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing,
-            "dualkv_checkpointing": args.dualkv_checkpointing}
+            "dualkv_checkpointing": args.dualkv_checkpointing, "optimizer": not args.no_optimizer,
+            "attention_backend": args.attention_backend}
     rows = []
     for n, p, r in args.shapes:
         g = torch.Generator().manual_seed(0)
@@ -124,21 +157,14 @@ def main(argv=None):
             "plain": (args.plain_checkpointing == "on",
                       dk.optimize(model, dk.DualKVConfig(enabled=False))),
             "dualkv": (args.dualkv_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(
-                activation_memory_budget=args.memory_budget))),
+                activation_memory_budget=args.memory_budget,
+                attention_backend=args.attention_backend))),
         }
-        for name, (checkpointing, wrapper) in variants.items():
-            if checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_disable()
-            try:
-                res = run_variant(name, model, wrapper, tokens, mask, p, adv, opt,
-                                  args.steps, args.warmup)
+        for name, res in run_variants(variants, model, tokens, mask, p, adv, opt,
+                                      args.steps, args.warmup).items():
+            if res["step_ms"]:
                 res["tokens_per_s"] = n * (p + r) / (res["step_ms"] / 1e3)
                 res["mfu_useful"] = row["useful_tflop"] / (res["step_ms"] / 1e3) / args.peak_tflops
-            except torch.OutOfMemoryError:
-                res = {"step_ms": None, "error": "OOM"}
-                opt.zero_grad(set_to_none=True)
             row[name] = res
             print(json.dumps({"shape": [n, p, r], name: res}), flush=True)
         if row["plain"]["step_ms"] and row["dualkv"]["step_ms"]:
@@ -147,12 +173,8 @@ def main(argv=None):
         rows.append(row)
         if args.profile and len(rows) == 1:
             for name, (checkpointing, wrapper) in variants.items():
-                if checkpointing:
-                    model.gradient_checkpointing_enable(
-                        gradient_checkpointing_kwargs={"use_reentrant": False})
-                else:
-                    model.gradient_checkpointing_disable()
-                profile_step(name, wrapper, tokens, mask, p, adv, opt)
+                set_checkpointing(model, checkpointing)
+                profile_step(name, model, wrapper, tokens, mask, p, adv, opt)
     table = markdown(meta, rows)
     print(table)
     if args.out:
@@ -162,14 +184,15 @@ def main(argv=None):
             f.write(table)
 
 
-def profile_step(name, wrapper, tokens, mask, p, adv, opt):
+def profile_step(name, model, wrapper, tokens, mask, p, adv, opt):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
         grpo_loss(lp, mask, p, adv).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     print(f"--- profile: {name} ---")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
@@ -180,14 +203,17 @@ def _f(x, spec):
 
 
 def markdown(meta, rows):
-    head = (f"GRPO policy update (response logprobs fwd + bwd + AdamW), Qwen3-8B-shaped decoder "
+    what = "response logprobs fwd + bwd + AdamW" if meta.get("optimizer", True) else \
+        "response logprobs fwd + bwd, no optimizer step"
+    head = (f"GRPO policy update ({what}), Qwen3-8B-shaped decoder "
             f"with {meta['layers']} layers ({meta['params'] / 1e9:.2f}B params incl. embeddings, "
             f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
             f"{meta['triton']}, transformers {meta['transformers']}; median of {meta['steps']} "
-            f"steps after {meta['warmup']} warm-up. Plain: SDPA, transformers gradient "
+            f"interleaved steps after {meta['warmup']} warm-up. Plain: SDPA, transformers gradient "
             f"checkpointing {meta.get('plain_checkpointing', 'on')}. dualkv: transformers gradient "
             f"checkpointing {meta.get('dualkv_checkpointing', 'off')}, "
-            f"activation_memory_budget={meta['memory_budget']}.\n\n")
+            f"activation_memory_budget={meta['memory_budget']}, attention backend "
+            f"{meta.get('attention_backend', 'auto')}.\n\n")
     cols = ["N", "P", "R", "rho", "plain ms", "dualkv ms", "speed-up", "speed-up/rho",
             "plain GiB", "dualkv GiB", "plain tok/s", "dualkv tok/s", "plain MFU", "dualkv MFU"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

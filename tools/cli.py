@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bench import SUITE
+from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
 
 __all__ = ["main", "build_parser"]
 
-_BENCHES = {"attention": "dualkv_compile.tools.bench_attention",
-            "step": "dualkv_compile.tools.bench_policy_update"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     bch = subs.add_parser("bench", help="run a benchmark of the suite (needs CUDA)",
                           description="Runs one benchmark; the arguments after its name are "
                                       "passed to it (`dualkv bench attention --help`).")
-    bch.add_argument("name", choices=sorted(_BENCHES))
+    bch.add_argument("name", choices=sorted(SUITE))
     bch.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     return ap
 
@@ -104,9 +104,7 @@ def main(argv=None) -> int:
             from .plan_cmd import run_plan
 
             return run_plan(args)
-        import importlib
-
-        importlib.import_module(_BENCHES[args.name]).main(args.rest)
+        run_bench(args.name, args.rest)
         return 0
     except CliError as e:
         print(f"dualkv {args.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,43 @@
+"""The benchmark suite behind one entry point (also `dualkv bench`):
+
+    python -m dualkv_compile.tools.bench attention [--shapes N,P,R ...] [--out PATH]
+    python -m dualkv_compile.tools.bench model     [...]   # response logprobs fwd + bwd
+    python -m dualkv_compile.tools.bench step      [...]   # the same plus the AdamW step
+
+Every benchmark shares the N,P,R shape argument, writes JSON with the GPU, torch, triton, CUDA
+(and flash-attn-4) versions, shapes, dtype, warm-up and repeat counts, reports medians, and runs
+its baselines in the same process as the optimized variant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["SUITE", "run"]
+
+# name -> (module, arguments it always gets)
+SUITE = {
+    "attention": ("dualkv_compile.tools.bench_attention", []),
+    "model": ("dualkv_compile.tools.bench_policy_update", ["--no-optimizer"]),
+    "step": ("dualkv_compile.tools.bench_policy_update", []),
+}
+
+
+def run(name: str, argv: list[str]) -> None:
+    if name not in SUITE:
+        raise SystemExit(f"unknown benchmark {name!r}; choose one of {sorted(SUITE)}")
+    module, fixed = SUITE[name]
+    importlib.import_module(module).main(fixed + list(argv))
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    run(argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    main()
