@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "flash", "triton")
 _FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
-# head dims "auto" sends to FLASH: the ones its tests and benchmarks ran (docs/performance.md)
+# head dims FLASH is used for: those its GPU tests passed at. At head dim 16 FA4 4.0.0b36 returned
+# a wrong dq (relative error 1.07, H100, docs/results/gpu_attention_tests_h100.txt).
 FLASH_HEAD_DIMS = (64, 128)
 
 
@@ -46,7 +47,7 @@ def flash_status(device: torch.device, head_dim: int | None = None) -> tuple[boo
 @functools.lru_cache(maxsize=None)
 def _resolve(requested: str, device: torch.device, head_dim: int | None) -> str:
     available, reason = flash_status(device, head_dim)
-    if requested == "flash" and not flash_status(device)[0]:
+    if requested == "flash" and not available:  # FA4 gave wrong dq at head dim 16 (H100)
         raise ValueError(f"attention_backend='flash' cannot run: {reason}")
     chosen = "FLASH" if requested == "flash" or (requested == "auto" and available) else "TRITON"
     # a fallback from "auto" to Triton is worth a warning (it is slower); a choice is info
@@ -58,8 +59,9 @@ def _resolve(requested: str, device: torch.device, head_dim: int | None) -> str:
 
 def resolve_attention_backend(requested: str, device: torch.device,
                               head_dim: int | None = None) -> str:
-    """'FLASH' or 'TRITON' for `requested` in ATTENTION_BACKENDS on the CUDA `device`; "auto"
-    also needs `head_dim` in FLASH_HEAD_DIMS, an explicit "flash" only the library and GPU."""
+    """'FLASH' or 'TRITON' for `requested` in ATTENTION_BACKENDS on the CUDA `device`, whose
+    attention has head dim `head_dim`; "flash" raises where FLASH cannot run, "auto" falls back
+    to Triton (logged)."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={requested!r} is not one of {ATTENTION_BACKENDS}")
     if device.type != "cuda":

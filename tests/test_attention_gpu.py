@@ -73,6 +73,10 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("prompts,responses,hq,hkv,d", LAYOUTS)
 def test_bf16_matches_replicated(prompts, responses, hq, hkv, d, backend):
+    if backend == "flash" and d == 16:  # FA4 gave a wrong dq here: asking for it must raise
+        with pytest.raises(ValueError, match="head dim 16"):
+            compare_bf16(prompts, responses, hq, hkv, d, seed=1, backend=backend)
+        return
     compare_bf16(prompts, responses, hq, hkv, d, seed=len(prompts) * 1000 + d, backend=backend)
 
 

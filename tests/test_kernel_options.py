@@ -66,11 +66,11 @@ def test_auto_takes_flash_where_it_imports_on_hopper(fake_gpu):
     assert kernel_options_for(dev, head_dim=128, gqa=4) == {"BACKEND": "FLASH"}
 
 
-def test_auto_keeps_other_head_dims_on_triton_but_flash_can_be_asked_for(fake_gpu):
+def test_other_head_dims_stay_on_triton_and_flash_refuses_them(fake_gpu):
     dev = fake_gpu((9, 0), True)
-    assert kernel_options_for(dev, head_dim=256, gqa=4)["BACKEND"] == "TRITON"
-    assert kernel_options_for(dev, head_dim=256, gqa=4,
-                              attention_backend="flash")["BACKEND"] == "FLASH"
+    assert kernel_options_for(dev, head_dim=16, gqa=1)["BACKEND"] == "TRITON"
+    with pytest.raises(ValueError, match="head dim 16 is not one FLASH is used for"):
+        kernel_options_for(dev, head_dim=16, gqa=1, attention_backend="flash")
 
 
 def test_auto_falls_back_to_triton_with_a_logged_reason(fake_gpu, caplog):

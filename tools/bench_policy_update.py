@@ -57,6 +57,10 @@ def grpo_loss(lp, mask, p, adv):
 
 
 def set_checkpointing(model, on: bool) -> None:
+    """Only on a change: enabling again installs a new checkpoint function object, which fails
+    Dynamo's guards and retraces the optimized model (measured: +1.5 s a step)."""
+    if model.is_gradient_checkpointing == on:
+        return
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
