@@ -61,7 +61,16 @@ class GRPORecipe:
             load_hf_checkpoint(self.model, cfg.checkpoint_dir)
         self.model.to(device=self.device, dtype=self.dtype)
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback)
+        if cfg.get("enable_activation_checkpointing", False):
+            # torchtune's per-layer checkpointing; optimize() inlines the checkpointed layers and
+            # recomputes them in the backward, except the shared-prefix attention (README)
+            from torchtune.modules import TransformerSelfAttentionLayer
+            from torchtune.training import set_activation_checkpointing
+
+            set_activation_checkpointing(self.model,
+                                         auto_wrap_policy={TransformerSelfAttentionLayer})
+        dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback,
+                               attention_backend=cfg.dualkv.get("attention_backend", "auto"))
         self.policy = dk.optimize(self.model, dcfg)
         self.reference = dk.optimize(self.ref_model, dcfg)
         self.loss_fn = config.instantiate(cfg.loss)

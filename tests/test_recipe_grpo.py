@@ -47,6 +47,20 @@ def test_dualkv_on_and_off_agree_at_every_step(tmp_path):
     assert any(h["kl"] > 0 for h in on.history[1:])  # the policy moved away from the reference
 
 
+def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
+    import dualkv_compile as dk
+
+    dk.counters.clear()
+    ckpt = run(tmp_path, "ckpt", num_steps=2, enable_activation_checkpointing=True)
+    assert dk.counters["checkpoints_inlined"] >= 2  # the 2 layers, inlined and recomputed
+    assert ckpt.policy.uses_dualkv
+    plain = run(tmp_path, "plain", num_steps=2)
+    for a, b in zip(ckpt.history, plain.history):
+        for key in ("loss", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert set(ckpt.model.state_dict()) == set(plain.model.state_dict())  # same keys saved
+
+
 def read_scalars(folder: Path) -> dict[str, list[float]]:
     """Every scalar in the event files under `folder` (legacy simple values or tensors)."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
