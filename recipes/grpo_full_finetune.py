@@ -55,10 +55,11 @@ class GRPORecipe:
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.task = config.instantiate(cfg.task, tokenizer=self.tokenizer)
         self.model = config.instantiate(cfg.model)
-        if cfg.get("checkpoint_dir"):  # transformers-format weights (model.safetensors)
-            from dualkv_compile.models import load_hf_checkpoint
-
-            load_hf_checkpoint(self.model, cfg.checkpoint_dir)
+        # a torchtune checkpointer (e.g. dualkv_compile.models.Qwen3HFCheckpointer) loads the
+        # starting weights and writes the trained ones in the source format
+        self.checkpointer = config.instantiate(cfg.checkpointer) if cfg.get("checkpointer") else None
+        if self.checkpointer is not None:
+            self.model.load_state_dict(self.checkpointer.load_checkpoint()["model"], strict=True)
         self.model.to(device=self.device, dtype=self.dtype)
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if cfg.get("enable_activation_checkpointing", False):
@@ -91,6 +92,8 @@ class GRPORecipe:
                     "optimizer": self.optimizer.state_dict(), "step": self.step,
                     "task": self.task.state_dict(), "rng": self.rng.get_state(),
                     "torch_rng": torch.get_rng_state()}, self._checkpoint_path())
+        if self.checkpointer is not None:
+            self.checkpointer.save_checkpoint({"model": self.model.state_dict()}, epoch=self.step)
 
     def _load_checkpoint(self):
         path = self._checkpoint_path()

@@ -75,6 +75,19 @@ def test_two_steps_through_the_qwen3_config(tmp_path, checkpoint):
     assert [h["step"] for h in recipe.history] == [1, 2]
     assert all(h["rho"] > 1 for h in recipe.history)  # left-padded prompts, shared per group
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    # the torchtune checkpointer wrote transformers-format weights transformers can load
+    saved = tmp_path / "run" / "hf" / "epoch_2"
+    assert (saved / "config.json").is_file() and (saved / "tokenizer.json").is_file()
+    again = tf.Qwen3ForCausalLM.from_pretrained(saved).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(recipe.model.eval()(tokens, input_pos=pos),
+                                   again(input_ids=tokens, position_ids=pos).logits,
+                                   rtol=1e-4, atol=1e-4)
+    from dualkv_compile.models import Qwen3HFCheckpointer
+
+    reread = Qwen3HFCheckpointer(str(saved), str(tmp_path / "unused")).load_checkpoint()["model"]
+    for name, value in recipe.model.state_dict().items():  # exactly what the recipe held
+        assert torch.equal(reread[name], value), name
 
 
 def test_math_reward_and_padding(checkpoint):

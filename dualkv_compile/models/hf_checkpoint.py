@@ -9,7 +9,7 @@ from pathlib import Path
 from torch import nn
 
 __all__ = ["hf_to_ours", "ours_to_hf", "load_hf_checkpoint", "save_hf_checkpoint",
-           "qwen3_from_hf_config"]
+           "qwen3_from_hf_config", "read_hf_state", "write_hf_state"]
 
 # (transformers name, our name), per layer where {i} appears
 _LAYER_KEYS = [
@@ -85,6 +85,11 @@ def _tied(model: nn.Module) -> bool:
 
 def load_hf_checkpoint(model: nn.Module, directory: str | Path) -> None:
     """Load model.safetensors (or the shards an index names) from `directory` into `model`."""
+    model.load_state_dict(hf_to_ours(read_hf_state(directory), tied=_tied(model)), strict=True)
+
+
+def read_hf_state(directory: str | Path) -> dict:
+    """The transformers-named state dict of model.safetensors, or of the shards an index names."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -99,16 +104,21 @@ def load_hf_checkpoint(model: nn.Module, directory: str | Path) -> None:
     state: dict = {}
     for name in files:
         state.update(load_file(str(directory / name)))
-    model.load_state_dict(hf_to_ours(state, tied=_tied(model)), strict=True)
+    return state
 
 
 def save_hf_checkpoint(model: nn.Module, directory: str | Path, *, config: dict) -> None:
     """Write model.safetensors and config.json (a transformers Qwen3 config dict)."""
+    write_hf_state(model.state_dict(), directory)
+    (Path(directory) / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_hf_state(state: dict, directory: str | Path) -> Path:
+    """Write our state dict as transformers-named model.safetensors in `directory`."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(ours_to_hf(state), str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    save_file(ours_to_hf(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory / "model.safetensors"

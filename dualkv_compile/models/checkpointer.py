@@ -1,0 +1,56 @@
+"""A torchtune checkpointer for Qwen3 in transformers' format.
+
+torchtune 0.6.1's FullModelHFCheckpointer has no Qwen3 weight conversion, so this class
+implements torchtune's checkpointer interface (`load_checkpoint`, `save_checkpoint`) over our
+conversion in hf_checkpoint.py. Recipes reference it by `_component_`. Saved checkpoints are
+"state-dict invariant" in torchtune's sense: `output_dir/epoch_{N}/` holds a model.safetensors
+with transformers' names plus the source directory's config and tokenizer files, so
+transformers (or this checkpointer) can load it back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from .hf_checkpoint import hf_to_ours, read_hf_state, write_hf_state
+
+__all__ = ["Qwen3HFCheckpointer"]
+
+log = logging.getLogger(__name__)
+
+MODEL_KEY = "model"  # torchtune.training.MODEL_KEY
+
+
+class Qwen3HFCheckpointer:
+    """load_checkpoint() -> {"model": state dict in our names}; save_checkpoint(state, epoch)."""
+
+    def __init__(self, checkpoint_dir: str, output_dir: str):
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.output_dir = Path(output_dir)
+        config = self.checkpoint_dir / "config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"checkpoint_dir={str(self.checkpoint_dir)!r} has no "
+                                    f"config.json")
+        self.tied = bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+
+    def load_checkpoint(self) -> dict:
+        return {MODEL_KEY: hf_to_ours(read_hf_state(self.checkpoint_dir), tied=self.tied)}
+
+    def save_checkpoint(self, state_dict: dict, epoch: int,
+                        intermediate_checkpoint: bool = False) -> Path:
+        """Write state_dict["model"] to output_dir/epoch_{epoch}/ with the source's config and
+        tokenizer files. Recipe state (optimizer, step, RNG) is the recipe's own file."""
+        if MODEL_KEY not in state_dict:
+            raise KeyError(f"save_checkpoint needs the model weights under {MODEL_KEY!r}; got "
+                           f"keys {sorted(state_dict)}")
+        folder = self.output_dir / f"epoch_{epoch}"
+        path = write_hf_state(state_dict[MODEL_KEY], folder)
+        for src in self.checkpoint_dir.iterdir():  # config, generation config, tokenizer
+            if src.is_file() and not src.name.startswith("model") and src.suffix in (
+                    ".json", ".txt", ".model", ".jinja"):
+                shutil.copy2(src, folder / src.name)
+        log.info("saved %s (%.2f GiB)", path, path.stat().st_size / 2**30)
+        return folder
