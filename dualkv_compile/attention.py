@@ -65,7 +65,8 @@ def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False,
                     attention_backend="auto"):
     block_mask = shared_prefix_block_mask(packed, q.device)
     options = kernel_options_for(q.device, kernel_options, head_dim=q.shape[-1],
-                                 gqa=q.shape[1] // k.shape[1], attention_backend=attention_backend)
+                                 gqa=q.shape[1] // k.shape[1], dtype=q.dtype,
+                                 attention_backend=attention_backend)
     gqa = q.shape[1] != k.shape[1]
     if torch.compiler.is_compiling():  # traced into an outer graph: the HOP is captured there
         from torch.nn.attention.flex_attention import flex_attention

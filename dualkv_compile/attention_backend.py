@@ -4,7 +4,8 @@ FLASH is FlexAttention lowered to FlashAttention-4 through the CuTe DSL (the `fl
 flash-attn-4), for Hopper and Blackwell; it ran the shared-prefix mask at or above the ideal pair
 reduction (docs/performance.md). TRITON is Inductor's flex template, which runs everywhere.
 "auto" takes FLASH where it imports and the GPU supports it, else TRITON; the choice and its
-reason are logged once per device. Asking for "flash" where it cannot run raises.
+reason are logged once per device, head dim and dtype. Asking for "flash" where it cannot run
+raises.
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ _FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
 FLASH_HEAD_DIMS = (64, 128)
 
 
-def flash_status(device: torch.device, head_dim: int | None = None) -> tuple[bool, str]:
-    """(available, reason) of the FLASH backend on `device` (for `head_dim`, if given)."""
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def flash_status(device: torch.device, head_dim: int | None = None,
+                 dtype: torch.dtype | None = None) -> tuple[bool, str]:
+    """(available, reason) of the FLASH backend on `device` (for `head_dim` and `dtype`, if
+    given)."""
     if head_dim is not None and head_dim not in FLASH_HEAD_DIMS:
         return False, f"head dim {head_dim} is not one FLASH is used for {FLASH_HEAD_DIMS}"
+    if dtype is not None and dtype not in FLASH_DTYPES:
+        return False, f"FLASH (FA4) computes in bf16/fp16, not {dtype}"
     if device.type != "cuda":
         return False, f"FLASH needs a CUDA device, got {device}"
     major, minor = torch.cuda.get_device_capability(device)
@@ -45,8 +53,9 @@ def flash_status(device: torch.device, head_dim: int | None = None) -> tuple[boo
 
 
 @functools.lru_cache(maxsize=None)
-def _resolve(requested: str, device: torch.device, head_dim: int | None) -> str:
-    available, reason = flash_status(device, head_dim)
+def _resolve(requested: str, device: torch.device, head_dim: int | None,
+             dtype: torch.dtype | None) -> str:
+    available, reason = flash_status(device, head_dim, dtype)
     if requested == "flash" and not available:  # FA4 gave wrong dq at head dim 16 (H100)
         raise ValueError(f"attention_backend='flash' cannot run: {reason}")
     chosen = "FLASH" if requested == "flash" or (requested == "auto" and available) else "TRITON"
@@ -58,14 +67,14 @@ def _resolve(requested: str, device: torch.device, head_dim: int | None) -> str:
 
 
 def resolve_attention_backend(requested: str, device: torch.device,
-                              head_dim: int | None = None) -> str:
+                              head_dim: int | None = None, dtype: torch.dtype | None = None) -> str:
     """'FLASH' or 'TRITON' for `requested` in ATTENTION_BACKENDS on the CUDA `device`, whose
-    attention has head dim `head_dim`; "flash" raises where FLASH cannot run, "auto" falls back
-    to Triton (logged)."""
+    attention has head dim `head_dim` and dtype `dtype`; "flash" raises where FLASH cannot run,
+    "auto" falls back to Triton (logged once per device, head dim and dtype)."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={requested!r} is not one of {ATTENTION_BACKENDS}")
     if device.type != "cuda":
         raise ValueError(f"attention backends are CUDA kernels; got device {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _resolve(requested, device, head_dim)
+    return _resolve(requested, device, head_dim, dtype)

@@ -63,6 +63,10 @@ class DualKVBackend:
         observe("traced", gm)
         if checkpoint_inline.inline_checkpoints(gm):
             observe("checkpoint_inline", gm)
+            if self.compiler == "eager":
+                _warn_once("the model's activation checkpointing has no effect with "
+                           "backend='eager' (no partitioner recomputes anything); use "
+                           "'aot_eager' or 'inductor'")
         anchor = attention_rewrite.find_anchor(gm.graph)
         tokens, positions, tables = anchor.args
         attention_rewrite.rewrite_attention(gm, self.template, self.kernel_options,
@@ -84,9 +88,20 @@ class DualKVBackend:
                 from torch._inductor import config as inductor_config
                 from torch._inductor.compile_fx import compile_fx
 
-                with inductor_config.patch(joint_custom_post_pass=attention_saving.SaveAttentionPass()):
+                user_pass = inductor_config.joint_custom_post_pass
+                ours = attention_saving.SaveAttentionPass(after=user_pass)
+                with inductor_config.patch(joint_custom_post_pass=ours):
                     return compile_fx(gm, example_inputs)
             return _aot_eager(gm, example_inputs, self)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, backend: DualKVBackend):

@@ -78,20 +78,31 @@ def validate_kernel_options(options: dict[str, object] | None) -> dict[str, obje
 
 def kernel_options_for(device: torch.device, overrides: dict[str, object] | None = None, *,
                        head_dim: int | None = None, gqa: int | None = None,
+                       dtype: torch.dtype | None = None,
                        attention_backend: str = "auto") -> dict[str, object]:
-    """The validated options for attention of `head_dim` and GQA ratio `gqa` on `device`: on
-    CUDA, the resolved backend (BACKEND="FLASH" or "TRITON") plus, for Triton, the
-    architecture's tuned entry; `overrides` on top. Elsewhere just `overrides`."""
+    """The validated options for attention of `head_dim`, GQA ratio `gqa` and `dtype` on
+    `device`: on CUDA, the resolved backend (BACKEND="FLASH" or "TRITON") plus, for Triton, the
+    architecture's tuned entry; `overrides` on top. Elsewhere just `overrides`. A BACKEND in
+    `overrides` is treated as an `attention_backend` request, with the same checks."""
     overrides = validate_kernel_options(overrides)
+    if "BACKEND" in overrides:
+        asked = {"FLASH": "flash", "TRITON": "triton", "AUTO": "auto"}.get(overrides["BACKEND"])
+        if asked is None:
+            raise ValueError(f"kernel option BACKEND={overrides['BACKEND']!r}: use FLASH, TRITON "
+                             f"or AUTO, or set attention_backend")
+        if attention_backend not in ("auto", asked):
+            raise ValueError(f"kernel_options BACKEND={overrides['BACKEND']!r} and "
+                             f"attention_backend={attention_backend!r} both choose the kernel; "
+                             f"set one")
+        attention_backend = asked
+        overrides = {k: v for k, v in overrides.items() if k != "BACKEND"}
     if device.type != "cuda":
+        if attention_backend == "flash":
+            raise ValueError(f"attention_backend='flash' is a CUDA kernel; the device is {device}")
         return overrides
     from .attention_backend import resolve_attention_backend
 
-    if "BACKEND" in overrides and attention_backend != "auto":
-        raise ValueError(f"kernel_options BACKEND={overrides['BACKEND']!r} and "
-                         f"attention_backend={attention_backend!r} both choose the kernel; "
-                         f"set one")
-    backend = overrides.get("BACKEND") or resolve_attention_backend(attention_backend, device, head_dim)
+    backend = resolve_attention_backend(attention_backend, device, head_dim, dtype)
     base: dict[str, object] = {"BACKEND": backend}
     if backend == "TRITON":
         table = TRITON_OPTIONS_BY_ARCH.get(torch.cuda.get_device_capability(device), {})

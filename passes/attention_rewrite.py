@@ -143,7 +143,7 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
         scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
         options = kernel_options_for(q.device, kernel_options, head_dim=q.shape[-1],
-                                     gqa=q.shape[1] // k.shape[1],
+                                     gqa=q.shape[1] // k.shape[1], dtype=q.dtype,
                                      attention_backend=attention_backend)
         options = _apply_kernel_options(q, k, v, False, options)
         with graph.inserting_before(node):

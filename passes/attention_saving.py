@@ -3,7 +3,7 @@
 Whenever the partitioner may recompute (checkpointed regions, or an activation memory budget
 below 1), it would otherwise recompute the RoPE'd q/k in the backward, and Inductor then fuses
 that recomputation into the flex backward template's loads: measured on an H100 at 40 ms a
-layer instead of 9.8 ms (docs/results/policy_update_h100.md). This pass tags the flex forward's
+layer instead of 9.8 ms (docs/results/profile_policy_update_budget05_h100.txt). This pass tags the flex forward's
 q, k, v and its outputs (out, logsumexp) MUST_SAVE, the choice torchtitan's selective
 checkpointing policy makes for dense attention: attention is computed once, and everything else
 in a checkpointed region is still recomputed.
@@ -43,10 +43,19 @@ def save_attention(graph: fx.Graph) -> int:
 
 
 class SaveAttentionPass(CustomGraphPass):
-    """`save_attention` as Inductor's `joint_custom_post_pass` (it runs before partitioning)."""
+    """`save_attention` as Inductor's `joint_custom_post_pass` (it runs before partitioning),
+    after the pass the user had set there, if any."""
+
+    def __init__(self, after: CustomGraphPass | None = None):
+        self.after = after
 
     def __call__(self, graph: fx.Graph) -> None:
+        if self.after is not None:
+            self.after(graph)
         save_attention(graph)
 
-    def uuid(self) -> str:
-        return uuid()
+    def uuid(self):
+        if self.after is None:
+            return uuid()
+        inner = self.after.uuid() if hasattr(self.after, "uuid") else None
+        return None if inner is None else f"{inner}+{uuid()}"  # None: no caching, as Inductor does

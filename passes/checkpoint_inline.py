@@ -3,8 +3,9 @@
 Dynamo turns `torch.utils.checkpoint` (HF `gradient_checkpointing_enable`, torchtune
 `set_activation_checkpointing`) into a `tag_activation_checkpoint` higher-order op whose body is a
 subgraph, which would hide each layer's attention and token-mixing ops from the other passes.
-This pass copies every body into the parent graph and tags the copied nodes the way the op
-itself would: `recompute=PREFER_RECOMPUTE` and one `ac_graph_id` per region. AOTAutograd keeps
+This pass copies every body into the parent graph and tags every copied op (function, method
+and module calls) as the op itself would: `recompute=PREFER_RECOMPUTE` and one `ac_graph_id`
+per region. Reentrant and non-reentrant checkpoints are traced alike. AOTAutograd keeps
 both tags on the aten nodes it traces from them, so the partitioner recomputes the region in the
 backward exactly as it does for the op. Selective checkpointing (a user `context_fn` policy) is
 refused: its per-op decisions are made while tracing and cannot be carried by tags.
@@ -71,7 +72,7 @@ def inline_checkpoints(gm: fx.GraphModule) -> int:
                 else:
                     copied = graph.node_copy(inner, lambda a: env[a])
                 copied.meta = dict(inner.meta)
-                if copied.op == "call_function":
+                if copied.op in ("call_function", "call_method", "call_module"):
                     copied.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                     copied.meta["ac_graph_id"] = region
                 env[inner] = copied
@@ -88,4 +89,6 @@ def inline_checkpoints(gm: fx.GraphModule) -> int:
             graph.erase_node(body_attr)
         counters["checkpoints_inlined"] += 1
         count += 1
+    if count:
+        gm.delete_all_unused_submodules()  # the inlined bodies
     return count

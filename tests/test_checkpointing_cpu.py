@@ -3,7 +3,7 @@ gradient_checkpointing_enable, torchtune set_activation_checkpointing) and the p
 memory budget. Exact against the row-by-row model in fp64, and the partitioned graphs recompute
 the layers but never the shared-prefix attention or its inputs."""
 
-import operator
+import copy
 
 import pytest
 import torch
@@ -127,18 +127,26 @@ def test_selective_checkpointing_is_refused_by_name():
             tokens, prompt_len=p, padding_mask=mask)
 
 
-def test_inlined_nodes_carry_the_recompute_tags():
+@pytest.mark.parametrize("family", ["hf_qwen3", "qwen2_5"])
+def test_every_inlined_node_carries_the_recompute_tags(family):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    model = checkpointed("qwen2_5")
+    model = checkpointed(family)
     tokens, mask, p = batch()
     wrapper = dk.optimize(model, dk.DualKVConfig(backend="eager"))
+    stages = {}
+    wrapper._observer = lambda stage, gm: stages.setdefault(stage, copy.deepcopy(gm))
     wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-    graph = wrapper._backends["hidden"].last_graph.graph
-    regions = {n.meta.get("ac_graph_id") for n in graph.nodes if n.op == "call_function"
-               and n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE}
-    assert len(regions) == 2 and None not in regions
+    traced, inlined = stages["traced"], stages["checkpoint_inline"]
+    ops = ("call_function", "call_method", "call_module")
+    bodies = [getattr(traced, n.args[0].target) for n in traced.graph.nodes
+              if n.target is torch.ops.higher_order.tag_activation_checkpoint]
+    in_bodies = sum(n.op in ops for body in bodies for n in body.graph.nodes)
+    tagged = [n for n in inlined.graph.nodes if n.op in ops
+              and n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE]
+    assert len(bodies) == 2 and len(tagged) == in_bodies  # every op, methods included
+    assert {n.meta["ac_graph_id"] for n in tagged}.__len__() == 2  # one id per region
+    assert any(n.op == "call_method" for n in tagged)
     assert not any(n.target is torch.ops.higher_order.tag_activation_checkpoint
-                   for n in graph.nodes)
-    assert not any(n.target is operator.getitem and n.args[0].op == "get_attr"
-                   for n in graph.nodes if n.op == "call_function")
+                   for n in inlined.graph.nodes)
+    assert not any(name.startswith("wrap_body") for name, _ in inlined.named_children())

@@ -109,3 +109,19 @@ def test_backend_chosen_twice_or_unknown_raises(fake_gpu):
         kernel_options_for(dev, {"BACKEND": "TRITON"}, attention_backend="flash")
     with pytest.raises(ValueError, match="attention_backend='cute' is not one of"):
         kernel_options_for(dev, attention_backend="cute")
+
+
+def test_a_backend_in_kernel_options_gets_the_same_checks(fake_gpu):
+    dev = fake_gpu((9, 0), True)
+    with pytest.raises(ValueError, match="head dim 16"):  # FA4 gave a wrong dq there
+        kernel_options_for(dev, {"BACKEND": "FLASH"}, head_dim=16, gqa=1)
+    assert kernel_options_for(dev, {"BACKEND": "TRITON"}, head_dim=128, gqa=4) == {
+        "BACKEND": "TRITON"}
+
+
+def test_fp32_stays_on_triton_and_flash_on_cpu_raises(fake_gpu):
+    dev = fake_gpu((9, 0), True)
+    assert kernel_options_for(dev, head_dim=128, gqa=4, dtype=torch.float32)["BACKEND"] == "TRITON"
+    assert kernel_options_for(dev, head_dim=128, gqa=4, dtype=torch.bfloat16)["BACKEND"] == "FLASH"
+    with pytest.raises(ValueError, match="is a CUDA kernel"):
+        kernel_options_for(torch.device("cpu"), attention_backend="flash")

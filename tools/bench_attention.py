@@ -56,14 +56,14 @@ def dense_variant(backend, q, k, v, gout):
     raise RuntimeError(f"SDPA backend {backend} cannot run this shape: {last}")
 
 
-def ours_backends(requested: list[str]) -> list[str]:
+def ours_backends(requested: list[str], head_dim: int) -> list[str]:
     """The packed-op backends to time: each requested one that can run here."""
     from dualkv_compile.attention_backend import flash_status
 
     usable = []
     for b in requested:
         if b == "flash":
-            ok, reason = flash_status(torch.device("cuda"))
+            ok, reason = flash_status(torch.device("cuda"), head_dim, torch.bfloat16)
             if not ok:
                 print(f"skipping ours_flash: {reason}", flush=True)
                 continue
@@ -110,7 +110,11 @@ def run_shape(n, p, r, hq, hkv, d, args):
         for backend in ("flash", "cudnn"):
             row[f"dense_{backend}"] = {"ms": None, "error": "OOM"}
 
-    qp, kp, vp, gp = alloc(1, pb.seq_len)
+    try:
+        qp, kp, vp, gp = alloc(1, pb.seq_len)
+    except torch.OutOfMemoryError:  # the dense baseline's tensors are alive as well
+        row["ours_error"] = "OOM allocating the packed tensors next to the dense ones"
+        return row
 
     def make_ours(backend, dynamic=False):
         def run():
@@ -122,7 +126,7 @@ def run_shape(n, p, r, hq, hkv, d, args):
             out.backward(gp)
         return run
 
-    ours = [(f"ours_{b}", make_ours(b)) for b in ours_backends(args.backends)]
+    ours = [(f"ours_{b}", make_ours(b)) for b in ours_backends(args.backends, d)]
     if args.dynamic:
         ours.append(("ours_triton_dynamic", make_ours("triton", dynamic=True)))
     for name, fn in ours:
@@ -132,8 +136,12 @@ def run_shape(n, p, r, hq, hkv, d, args):
         row[name] = {"first_call_s": time.perf_counter() - t3}
         variants[name], pairs[name] = (fn, [qp, kp, vp]), packed_pairs
 
-    medians = interleaved_medians(variants, rounds=args.rounds, warmup_ms=args.warmup_ms,
-                                  rep_ms=args.rep_ms)
+    try:
+        medians = interleaved_medians(variants, rounds=args.rounds, warmup_ms=args.warmup_ms,
+                                      rep_ms=args.rep_ms)
+    except torch.OutOfMemoryError:
+        row["timing_error"] = "OOM during the interleaved timing"
+        return row
     for name, ms in medians.items():
         row[name].update(ms=ms, tflops=pairs[name] * flop_per_pair / ms / 1e9)
     dense_ms = [row[f"dense_{b}"].get("ms") for b in ("flash", "cudnn")]

@@ -82,8 +82,9 @@ def one_step(model, wrapper, tokens, mask, p, adv, opt) -> tuple[float, float]:
 
 
 def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> dict:
-    """Warm every variant up (its first step compiles), then time them in interleaved steps:
-    plain, dualkv, plain, dualkv, ... A variant that runs out of memory is reported as OOM."""
+    """Warm every variant up (its first step compiles), then time them in interleaved steps
+    (plain, dualkv, plain, ...) when both use the same checkpointing, else back to back. A
+    variant that runs out of memory is reported as OOM."""
     results, live = {}, []
     for name, (checkpointing, wrapper) in variants.items():
         set_checkpointing(model, checkpointing)
@@ -97,13 +98,17 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
         except torch.OutOfMemoryError:
             results[name] = {"step_ms": None, "error": "OOM"}
             model.zero_grad(set_to_none=True)
-    for _ in range(steps):
-        for name in live:
-            checkpointing, wrapper = variants[name]
-            set_checkpointing(model, checkpointing)
-            sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt)
-            results[name]["step_ms_all"].append(sec * 1e3)
-            results[name]["peak_gib"] = max(results[name]["peak_gib"], peak)
+    # interleave only when no toggle is needed: toggling checkpointing retraces the optimized
+    # model every step; with differing settings each variant's steps run back to back
+    same = len({variants[name][0] for name in live}) <= 1
+    order = [name for _ in range(steps) for name in live] if same else \
+        [name for name in live for _ in range(steps)]
+    for name in order:
+        checkpointing, wrapper = variants[name]
+        set_checkpointing(model, checkpointing)
+        sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt)
+        results[name]["step_ms_all"].append(sec * 1e3)
+        results[name]["peak_gib"] = max(results[name]["peak_gib"], peak)
     for name in live:
         results[name]["step_ms"] = statistics.median(results[name]["step_ms_all"])
     return results
@@ -213,7 +218,7 @@ def markdown(meta, rows):
             f"with {meta['layers']} layers ({meta['params'] / 1e9:.2f}B params incl. embeddings, "
             f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
             f"{meta['triton']}, transformers {meta['transformers']}; median of {meta['steps']} "
-            f"interleaved steps after {meta['warmup']} warm-up. Plain: SDPA, transformers gradient "
+            f"steps after {meta['warmup']} warm-up (interleaved when both sides checkpoint alike). Plain: SDPA, transformers gradient "
             f"checkpointing {meta.get('plain_checkpointing', 'on')}. dualkv: transformers gradient "
             f"checkpointing {meta.get('dualkv_checkpointing', 'off')}, "
             f"activation_memory_budget={meta['memory_budget']}, attention backend "

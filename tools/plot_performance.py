@@ -35,7 +35,8 @@ def main(argv=None):
     labels = [f"{r['N']}x({r['P'] // 1024}K+{r['R'] // 1024 or r['R']}{'K' if r['R'] >= 1024 else ''})"
               for r in rows]
     series = [("ideal (pair reduction)", [r["pair_reduction"] for r in rows])]
-    series += [(b.replace("ours_", "ours, "), [r.get(b, {}).get("speedup_vs_best_dense") or 0
+    nan = float("nan")  # a missing measurement draws no bar (not a zero)
+    series += [(b.replace("ours_", "ours, "), [r.get(b, {}).get("speedup_vs_best_dense") or nan
                                                 for r in rows]) for b in backends]
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))

@@ -66,6 +66,7 @@ def time_candidates(candidates, tensors, pb, backward, args):
 
 
 def tune_one(head_dim, gqa, args):
+    torch._dynamo.reset()  # each candidate is a compile; keep within the recompile bound
     n, p, r = args.shape
     tokens = torch.cat([torch.randint(1, 1000, (1, p)).expand(n, p),
                         torch.randint(1, 1000, (n, r))], dim=1).cuda()
@@ -105,6 +106,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("tuning needs a CUDA GPU")
+    from dualkv_compile.kernel_options import TRITON_OPTIONS_BY_ARCH
+
+    arch = tuple(torch.cuda.get_device_capability())
+    TRITON_OPTIONS_BY_ARCH[arch] = {}  # candidates, "defaults" included, must not sit on old entries
     results, table = [], {}
     for d in args.head_dims:
         for gqa in args.gqa:
@@ -114,7 +119,6 @@ def main(argv=None):
                                                    "gain", "chosen")}), flush=True)
             if res["chosen"]:
                 table[(d, gqa)] = res["chosen"]
-    arch = tuple(torch.cuda.get_device_capability())
     print(f"TRITON_OPTIONS_BY_ARCH[{arch}] =")
     pprint.pprint(table)
     if args.out:
