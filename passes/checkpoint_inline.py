@@ -3,9 +3,12 @@
 Dynamo turns `torch.utils.checkpoint` (HF `gradient_checkpointing_enable`, torchtune
 `set_activation_checkpointing`) into a `tag_activation_checkpoint` higher-order op whose body is a
 subgraph, which would hide each layer's attention and token-mixing ops from the other passes.
-This pass copies every body into the parent graph and tags every copied op (function, method
-and module calls) as the op itself would: `recompute=PREFER_RECOMPUTE` and one `ac_graph_id`
-per region. Reentrant and non-reentrant checkpoints are traced alike. AOTAutograd keeps
+This pass copies every body into the parent graph and tags the copied function calls as the op
+itself would: `recompute=PREFER_RECOMPUTE` and one `ac_graph_id` per region. Tensor-method calls
+(`x.pow(2)`, `.to(...)`) are copied untagged: the partitioner still decides whether to save or
+recompute them, so a region saves somewhat more than torch.utils.checkpoint would (measured with
+this rule: docs/results/policy_update_ckpt_*). Tagging them too is a measured change for later.
+Reentrant and non-reentrant checkpoints are traced alike. AOTAutograd keeps
 both tags on the aten nodes it traces from them, so the partitioner recomputes the region in the
 backward exactly as it does for the op. Selective checkpointing (a user `context_fn` policy) is
 refused: its per-op decisions are made while tracing and cannot be carried by tags.
@@ -72,7 +75,7 @@ def inline_checkpoints(gm: fx.GraphModule) -> int:
                 else:
                     copied = graph.node_copy(inner, lambda a: env[a])
                 copied.meta = dict(inner.meta)
-                if copied.op in ("call_function", "call_method", "call_module"):
+                if copied.op == "call_function":
                     copied.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                     copied.meta["ac_graph_id"] = region
                 env[inner] = copied
