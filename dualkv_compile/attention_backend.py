@@ -16,7 +16,8 @@ import logging
 
 import torch
 
-__all__ = ["ATTENTION_BACKENDS", "flash_status", "resolve_attention_backend"]
+__all__ = ["ATTENTION_BACKENDS", "describe_attention_backend", "flash_status",
+           "resolve_attention_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +79,12 @@ def resolve_attention_backend(requested: str, device: torch.device,
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _resolve(requested, device, head_dim, dtype)
+
+
+def describe_attention_backend(device: torch.device, head_dim: int | None = None,
+                               dtype: torch.dtype | None = None, requested: str = "auto") -> str:
+    """One line for the CLI: which kernel `requested` gives on `device`, and why."""
+    if device.type != "cuda":
+        return f"CPU reference (SDPA per segment) on {device}; CUDA devices use FLASH or Triton"
+    chosen = resolve_attention_backend(requested, device, head_dim, dtype)
+    return f"{chosen} on {device} (requested {requested!r}; {flash_status(device, head_dim, dtype)[1]})"

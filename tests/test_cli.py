@@ -28,6 +28,7 @@ def test_inspect_shows_each_pass_and_writes_graphs_and_svg(tmp_path, capsys):
     assert "= scaled_dot_product_attention(" not in after  # as an op; source comments keep the line
     assert after.count("higher_order.flex_attention(") == 2
     assert "== after the LM-head cut" in out
+    assert "attention kernel: CPU reference" in out
     assert "attention_rewritten: 2" in out and "lm_head_pruned: 1" in out
     assert "torchtune/modules/attention.py" in before  # source lines name the model's code
     names = sorted(p.name for p in tmp_path.iterdir())

@@ -125,3 +125,12 @@ def test_fp32_stays_on_triton_and_flash_on_cpu_raises(fake_gpu):
     assert kernel_options_for(dev, head_dim=128, gqa=4, dtype=torch.bfloat16)["BACKEND"] == "FLASH"
     with pytest.raises(ValueError, match="is a CUDA kernel"):
         kernel_options_for(torch.device("cpu"), attention_backend="flash")
+
+
+def test_the_cli_line_names_the_kernel_and_the_reason(fake_gpu):
+    from dualkv_compile.attention_backend import describe_attention_backend
+
+    dev = fake_gpu((9, 0), False)
+    line = describe_attention_backend(dev, 128, torch.bfloat16)
+    assert line.startswith("TRITON on cuda:0") and "flash-attn-4 is not installed" in line
+    assert describe_attention_backend(torch.device("cpu")).startswith("CPU reference")

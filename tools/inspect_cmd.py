@@ -16,9 +16,18 @@ from .models import CliError, build_model
 __all__ = ["run_inspect"]
 
 STAGES = {"traced": "graph traced by Dynamo (before the passes)",
+          "checkpoint_inline": "after inlining the activation-checkpointed layers",
           "attention_rewrite": "after the attention rewrite",
           "token_locality": "after the token-locality proof (unchanged when proven)",
           "lm_head": "after the LM-head cut"}
+
+
+def _head_dim(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    if cfg is not None:  # transformers
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = getattr(model.layers[0], "attn", None)
+    return getattr(attn, "head_dim", None)
 
 
 def run_inspect(args, out=print) -> int:
@@ -47,6 +56,13 @@ def run_inspect(args, out=print) -> int:
     out(f"model {args.model}: {type(model).__name__}; layout: {args.groups} group(s) x "
         f"{args.group_size} responses, prompt {args.prompt_len}, response {args.response_len}; "
         f"T={packed.seq_len}, rho={packed.rho:.2f}")
+    from dualkv_compile.attention_backend import describe_attention_backend
+
+    out(f"attention kernel: {describe_attention_backend(torch.device('cpu'))}")
+    if torch.cuda.is_available():
+        head_dim = _head_dim(model)
+        out(f"attention kernel on this GPU: "
+            f"{describe_attention_backend(torch.device('cuda'), head_dim, torch.bfloat16)}")
     for stage, text, _ in stages:
         out(f"\n== {STAGES[stage]} ({text.count(chr(10))} lines) ==")
         out(text.rstrip("\n"))
