@@ -34,7 +34,7 @@ class PackedBatch:
     """
 
     tokens: Tensor  # [1, T] int64, padding positions hold 0
-    positions: Tensor  # [1, T] int64: prompt 0..p-1, each response p.., padding 0..
+    positions: Tensor  # [1, T] int64: prompt 0..p-1, each response p.., padding 0
     segment_ids: Tensor  # [1, T] int32: one id per prompt, per response, and for the padding
     prefix_segment_ids: Tensor  # [1, T] int32: the prompt segment a token may also see (else own)
     group_ids: Tensor  # [B] int64: group of each row, numbered by first appearance
@@ -297,7 +297,9 @@ def _build(tokens, mask, prompt_len, pad_to, group_of_row, p_first, p_len, r_len
     pad_seg = torch.full((num_pad,), num_segs, dtype=torch.long, device=dev)
     segment_ids = torch.cat([seg_of_tok, pad_seg]).to(torch.int32)
     prefix_segment_ids = torch.cat([prefix, pad_seg]).to(torch.int32)
-    positions = torch.cat([positions, pad])
+    # padding sits at position 0: it is masked from every real token, and a position past the
+    # model's max_seq_len (padding can be pad_to - 1 long) would overrun its RoPE cache
+    positions = torch.cat([positions, torch.zeros_like(pad)])
     pack_index = torch.cat([src_row * l + src_col, torch.full_like(pad, b * l)])
     packed_tokens = torch.cat([tokens.reshape(-1), tokens.new_zeros(1)])[pack_index]
 

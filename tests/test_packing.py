@@ -25,7 +25,7 @@ def test_layout_of_two_interleaved_groups():
     assert pb.num_tokens == 2 + 3 + 2 + 3 + 1 and pb.seq_len == 16
     expect = [5, 6, 10, 11, 12, 30, 31, 7, 8, 9, 20] + [0] * 5
     assert pb.tokens[0].tolist() == expect
-    assert pb.positions[0].tolist() == [0, 1, 2, 3, 4, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 4]
+    assert pb.positions[0].tolist() == [0, 1, 2, 3, 4, 2, 3, 0, 1, 2, 3] + [0] * 5  # padding: 0
     assert pb.segment_ids[0].tolist() == [0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4] + [5] * 5
     assert pb.prefix_segment_ids[0].tolist() == [0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3] + [5] * 5
     assert pb.prompt_lengths.tolist() == [2, 3]

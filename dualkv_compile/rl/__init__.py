@@ -4,12 +4,15 @@ Configs reference them by `_component_` path (e.g. dualkv_compile.rl.GRPOLoss)."
 from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
 from .math_task import MathJSONLTask, final_number
+from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
 
 __all__ = [
     "CharTokenizer",
+    "EvenTokensTask",
     "GRPOLoss",
     "HFTokenizer",
+    "IdTokenizer",
     "MathJSONLTask",
     "RepeatLastLetterTask",
     "final_number",

@@ -1,0 +1,48 @@
+"""The Qwen3-8B-shaped timing config, shrunk to run on CPU: same components, tiny sizes, dualkv
+on and off agree, and responses run to max_generated_tokens as the config promises."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from dualkv_compile.rl import EvenTokensTask, IdTokenizer
+from test_recipe_grpo import ROOT, load_recipe
+
+TINY = {"device": "cpu", "dtype": "fp32", "num_steps": 2, "group_size": 3,
+        "max_generated_tokens": 6, "tokenizer.vocab_size": 300, "task.prompt_len": 20,
+        "model.vocab_size": 300, "model.num_layers": 1, "model.embed_dim": 64,
+        "model.num_heads": 4, "model.num_kv_heads": 2, "model.head_dim": 16,
+        "model.intermediate_dim": 128, "model.max_seq_len": 64}
+
+
+def run(tmp_path, name, **extra):
+    cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_8b_shaped_step.yaml")
+    for key, value in {**TINY, "output_dir": str(tmp_path / name), **extra}.items():
+        OmegaConf.update(cfg, key, value)
+    recipe = load_recipe().GRPORecipe(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    return recipe
+
+
+def test_shrunk_shape_config_runs_both_ways_and_agrees(tmp_path):
+    on = run(tmp_path, "on")
+    off = run(tmp_path, "off", **{"dualkv.enabled": False})
+    assert on.policy.uses_dualkv and not off.policy.uses_dualkv
+    for a, b in zip(on.history, off.history):
+        for key in ("loss", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert a["response_length"] == pytest.approx(6, abs=0.5)  # eos is rare for random weights
+        assert a["policy_update_s"] > 0 and a["peak_memory_gib"] > 0
+
+
+def test_even_tokens_reward_counts_until_eos():
+    task = EvenTokensTask(IdTokenizer(50), prompt_len=5)
+    prompts, answers = task.sample_prompts(2)
+    assert prompts.shape == (2, 5) and (prompts[:, 0] == 2).all() and (prompts[:, 1:] >= 3).all()
+    responses = torch.tensor([[4, 6, 7, 1, 8, 8], [1, 4, 4, 4, 4, 4], [3, 5, 8, 10, 0, 0]])
+    # row 3: pad (0) is even but counted; the recipe pads only after eos, which stops the count
+    assert task.rewards(responses, [""] * 3).tolist() == pytest.approx([2 / 3, 0.0, 4 / 6])
+    with pytest.raises(ValueError, match="prompt_len=1"):
+        EvenTokensTask(IdTokenizer(50), prompt_len=1)
