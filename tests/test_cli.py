@@ -153,3 +153,35 @@ def test_module_entry_point():
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "token reduction rho" in done.stdout
+
+
+def test_bench_suite_dispatches_each_benchmark(monkeypatch, capsys):
+    """`dualkv bench NAME ARGS` and `python -m dualkv_compile.tools.bench NAME ARGS` hand the
+    arguments to the benchmark's main; `model` is the step benchmark without the optimizer."""
+    import importlib
+
+    from dualkv_compile.tools import bench
+
+    calls = []
+    for name, (module, _) in bench.SUITE.items():
+        monkeypatch.setattr(importlib.import_module(module), "main",
+                            lambda argv, module=module: calls.append((module, argv)))
+    assert main(["bench", "attention", "--shapes", "1,128,128"]) == 0
+    bench.main(["model", "--layers", "2"])
+    bench.main(["step"])
+    assert calls == [("dualkv_compile.tools.bench_attention", ["--shapes", "1,128,128"]),
+                     ("dualkv_compile.tools.bench_policy_update", ["--no-optimizer", "--layers", "2"]),
+                     ("dualkv_compile.tools.bench_policy_update", [])]
+    with pytest.raises(SystemExit, match="unknown benchmark 'speed'"):
+        bench.main(["speed"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine with no GPU")
+def test_benchmarks_refuse_to_run_without_a_gpu(capsys):
+    from dualkv_compile.tools import bench_attention, bench_policy_update
+
+    for module in (bench_attention, bench_policy_update):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(["--shapes", "2,128,128"])
+        assert exit_info.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
