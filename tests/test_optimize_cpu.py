@@ -252,13 +252,17 @@ class _ArangePositions(torch.nn.Module):
         return self.inner(x) + 0.01 * pos[None, :, None]
 
 
-def test_positions_made_inside_the_model_are_refused():
+@pytest.mark.parametrize("wrapper,message", [
+    (lambda mlp: _ArangePositions(mlp), r"own sequence axis.*feed packed positions"),
+    (lambda mlp: _PositionMatmul(mlp), r"matmul.*own sequence axis"),
+], ids=["added", "matmul"])
+def test_positions_made_inside_the_model_are_refused(wrapper, message):
     from dualkv_compile.passes._common import Refusal
 
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
-    model.layers[0].mlp = _ArangePositions(model.layers[0].mlp)
+    model.layers[0].mlp = wrapper(model.layers[0].mlp)
     tokens, mask, p = batch()
-    with pytest.raises(Refusal, match=r"own sequence axis.*feed packed positions"):
+    with pytest.raises(Refusal, match=message):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
 
@@ -286,16 +290,6 @@ class _PositionMatmul(torch.nn.Module):
         angle = torch.arange(t, dtype=x.dtype)[:, None, None] * 0.01
         rot = torch.eye(d, dtype=x.dtype) * torch.cos(angle)  # [T, d, d]
         return self.inner(torch.matmul(rot, x.unsqueeze(-1)).squeeze(-1))
-
-
-def test_positions_made_inside_the_model_are_refused_in_matmul_form():
-    from dualkv_compile.passes._common import Refusal
-
-    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
-    model.layers[0].mlp = _PositionMatmul(model.layers[0].mlp)
-    tokens, mask, p = batch()
-    with pytest.raises(Refusal, match=r"matmul.*own sequence axis"):
-        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
 
 def test_no_response_columns_give_an_empty_result():

@@ -21,8 +21,9 @@ def load_recipe():
     return module
 
 
-def run(tmp_path, name, **overrides):
-    cfg = OmegaConf.load(CONFIG)
+def run(tmp_path, name, config=CONFIG, **overrides):
+    """Set up, train and clean up the recipe on `config` with `overrides` (dotted keys)."""
+    cfg = OmegaConf.load(config)
     cfg.output_dir = str(tmp_path / name)
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value)

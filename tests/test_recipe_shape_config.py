@@ -3,10 +3,9 @@ on and off agree, and responses run to max_generated_tokens as the config promis
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from dualkv_compile.rl import EvenTokensTask, IdTokenizer
-from test_recipe_grpo import ROOT, load_recipe
+from test_recipe_grpo import ROOT
+from test_recipe_grpo import run as run_recipe
 
 TINY = {"device": "cpu", "dtype": "fp32", "num_steps": 2, "group_size": 3,
         "max_generated_tokens": 6, "tokenizer.vocab_size": 300, "task.prompt_len": 20,
@@ -16,14 +15,8 @@ TINY = {"device": "cpu", "dtype": "fp32", "num_steps": 2, "group_size": 3,
 
 
 def run(tmp_path, name, **extra):
-    cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_8b_shaped_step.yaml")
-    for key, value in {**TINY, "output_dir": str(tmp_path / name), **extra}.items():
-        OmegaConf.update(cfg, key, value)
-    recipe = load_recipe().GRPORecipe(cfg)
-    recipe.setup()
-    recipe.train()
-    recipe.cleanup()
-    return recipe
+    return run_recipe(tmp_path, name, ROOT / "recipes" / "configs" / "qwen3_8b_shaped_step.yaml",
+                      **{**TINY, **extra})
 
 
 def test_shrunk_shape_config_runs_both_ways_and_agrees(tmp_path):

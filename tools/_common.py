@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 
 import torch
 
-__all__ = ["add_shapes_argument", "environment", "interleaved_medians"]
+__all__ = ["add_shapes_argument", "environment", "interleaved_medians", "write_results"]
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -59,3 +60,13 @@ def interleaved_medians(variants: dict, *, rounds: int, warmup_ms: int, rep_ms: 
             times[name].append(do_bench(fn, warmup=warmup_ms, rep=max(1, rep_ms // rounds),
                                         grad_to_none=grads, return_mode="median"))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def write_results(out: str | None, meta: dict, rows: list, table: str) -> None:
+    """OUT.json ({"meta", "rows"}) and OUT.md (the table), when --out was given."""
+    if not out:
+        return
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(table)

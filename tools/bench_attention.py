@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention import _flex_attention
 from dualkv_compile.block_mask import shared_prefix_block_mask
-from dualkv_compile.tools._common import add_shapes_argument, environment, interleaved_medians
+from dualkv_compile.tools._common import (add_shapes_argument, environment,
+                                          interleaved_medians, write_results)
 
 # the five shapes of issue #4, then long context (P=32K) and a layout of > 262,144 packed tokens
 DEFAULT_SHAPES = ["16,2048,512", "32,4096,1024", "32,8192,1024", "16,8192,2048", "64,2048,512",
@@ -214,11 +215,7 @@ def main(argv=None):
         rows.append(row)
     table = markdown(meta, rows)
     print(table)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(table)
+    write_results(args.out, meta, rows, table)
 
 
 if __name__ == "__main__":

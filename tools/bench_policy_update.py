@@ -23,7 +23,7 @@ import time
 import torch
 
 import dualkv_compile as dk
-from dualkv_compile.tools._common import add_shapes_argument, environment
+from dualkv_compile.tools._common import add_shapes_argument, environment, write_results
 
 DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]
 
@@ -186,23 +186,14 @@ def main(argv=None):
                 profile_step(name, model, wrapper, tokens, mask, p, adv, opt)
     table = markdown(meta, rows)
     print(table)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(table)
+    write_results(args.out, meta, rows, table)
 
 
 def profile_step(name, model, wrapper, tokens, mask, p, adv, opt):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-        grpo_loss(lp, mask, p, adv).backward()
-        if opt is not None:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        one_step(model, wrapper, tokens, mask, p, adv, opt)
     print(f"--- profile: {name} ---")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
 
