@@ -38,6 +38,21 @@ class _Torchtune:
             h = layer(h, mask=mask, input_pos=positions)
         return model.norm(h)
 
+    # the layer-region path (optimize.py, compile_region="layer"): the same body in parts
+    def embed(self, model, tokens):
+        return model.tok_embeddings(tokens)
+
+    def layers(self, model):
+        return list(model.layers)
+
+    def layer_forward(self, layer, hidden, positions):
+        """One layer's forward without its module hooks (FSDP's run outside, see fsdp.py);
+        mask=None is causal attention, which the attention pass rewrites."""
+        return layer.forward(hidden, mask=None, input_pos=positions)
+
+    def final_norm(self, model, hidden):
+        return model.norm(hidden)
+
     def head(self, model, hidden):
         return model.output(hidden).float()
 
@@ -92,6 +107,11 @@ class _HuggingFace:
 
     def replicated_mask(self, padding_mask: Tensor) -> Tensor:
         return padding_mask.long()
+
+    def layers(self, model):
+        raise ValueError("compile_region='layer' (and with it FSDP2 sharding) supports "
+                         "torchtune decoders only; a transformers model runs as one compiled "
+                         "region (compile_region='model'), unsharded")
 
 
 def adapter_for(model: nn.Module):

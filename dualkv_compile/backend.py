@@ -40,12 +40,14 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class DualKVBackend:
-    """One per (wrapper, mode). `template` (the BlockMask's as_tuple) is set before each call."""
+    """One per (wrapper, mode). Modes: "logits" and "hidden" trace the whole model (the
+    latter with the LM head cut away), "layer" one decoder layer on packed hidden states
+    (compile_region="layer"). `template` (the BlockMask's as_tuple) is set before each call."""
 
     def __init__(self, *, compiler: str, kernel_options: dict, vocab_size: int, mode: str,
                  activation_memory_budget: float = 1.0, attention_backend: str = "auto"):
-        if mode not in ("logits", "hidden"):
-            raise ValueError(f"mode={mode!r} must be 'logits' or 'hidden'")
+        if mode not in ("logits", "hidden", "layer"):
+            raise ValueError(f"mode={mode!r} must be 'logits', 'hidden' or 'layer'")
         self.compiler = compiler
         self.kernel_options = validate_kernel_options(kernel_options)
         self.attention_backend = attention_backend

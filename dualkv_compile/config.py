@@ -13,6 +13,7 @@ __all__ = ["DualKVConfig"]
 
 _BACKENDS = ("auto", "inductor", "aot_eager", "eager")
 _FALLBACKS = ("error", "dense")
+_REGIONS = ("auto", "model", "layer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,11 @@ class DualKVConfig:
         rest, PyTorch's compile-time form of gradient checkpointing. The shared-prefix
         attention and its inputs are never recomputed (passes/attention_saving.py). The model's
         own checkpointed layers work too (README: Gradient checkpointing).
+    compile_region: what one compiled graph spans. "model": embedding to LM head, one graph
+        (fastest; the passes see everything). "layer": one graph per decoder layer, reused by
+        every layer, with the embedding, final norm and LM head run eagerly; FSDP2's hooks
+        run between the layers (torchtune decoders only). "auto": "layer" when the model was
+        passed to fully_shard (FSDP2), else "model".
     """
 
     version: int = 1
@@ -47,6 +53,7 @@ class DualKVConfig:
     fallback: str = "error"
     logprob_chunk_size: int = 1024
     activation_memory_budget: float = 1.0
+    compile_region: str = "auto"
 
     def __post_init__(self):
         if self.version != 1:
@@ -62,6 +69,8 @@ class DualKVConfig:
             raise ValueError(f"backend={self.backend!r} is not one of {_BACKENDS}")
         if self.fallback not in _FALLBACKS:
             raise ValueError(f"fallback={self.fallback!r} is not one of {_FALLBACKS}")
+        if self.compile_region not in _REGIONS:
+            raise ValueError(f"compile_region={self.compile_region!r} is not one of {_REGIONS}")
         if not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size!r} must be a positive int")
         budget = self.activation_memory_budget

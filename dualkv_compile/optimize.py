@@ -64,6 +64,7 @@ class DualKVModel(nn.Module):
         self._backends: dict[str, DualKVBackend] = {}
         self.dense_reason: str | None = None  # set when fallback="dense" took over
         self._observer = None  # handed to the backends: see DualKVBackend.observer
+        self._layout_checked = False  # the FSDP layout check of the layer region ran
 
     # ---- the model's identity -------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -82,13 +83,36 @@ class DualKVModel(nn.Module):
         hidden = self._adapter.body(self.model, tokens, positions)
         return self._adapter.head(self.model, hidden)
 
+    def _traced_layer(self, layer: nn.Module, hidden: Tensor, positions: Tensor,
+                      tables: list[Tensor]):
+        layout_anchor(hidden, positions, tables)
+        return self._adapter.layer_forward(layer, hidden, positions)
+
     def _compiler(self, device: torch.device) -> str:
         if self.config.backend != "auto":
             return self.config.backend
         return "inductor" if device.type == "cuda" else "aot_eager"
 
-    def _run_packed(self, packed: PackedBatch, mode: str) -> Tensor:
-        device = packed.tokens.device
+    def compile_region(self) -> str:
+        """"model" or "layer": config.compile_region, with "auto" resolved (see DualKVConfig)."""
+        from .fsdp import is_sharded
+
+        sharded = is_sharded(self.model)
+        region = self.config.compile_region
+        if region == "auto":
+            region = "layer" if sharded else "model"
+        if region == "model" and sharded:
+            raise ValueError("compile_region='model' cannot drive an FSDP2-sharded model (its "
+                             "hooks cannot run inside one compiled graph); use 'layer' or "
+                             "'auto'")
+        if region == "layer" and not self._layout_checked:
+            from .fsdp import check_fsdp_layout
+
+            check_fsdp_layout(self.model, self._adapter.layers(self.model))
+            self._layout_checked = True
+        return region
+
+    def _compiled_call(self, mode: str, fn, device: torch.device):
         if mode not in self._compiled:
             self._backends[mode] = DualKVBackend(
                 compiler=self._compiler(device), kernel_options=self.config.kernel_options,
@@ -96,15 +120,45 @@ class DualKVModel(nn.Module):
                 vocab_size=self._adapter.lm_head_weight(self.model).shape[0], mode=mode,
                 activation_memory_budget=self.config.activation_memory_budget)
             self._backends[mode].observer = self._observer
-            self._compiled[mode] = torch.compile(
-                functools.partial(self._traced, mode), backend=self._backends[mode],
-                fullgraph=True, dynamic=False)
+            self._compiled[mode] = torch.compile(fn, backend=self._backends[mode],
+                                                 fullgraph=True, dynamic=False)
+        return self._compiled[mode]
+
+    def _run_packed(self, packed: PackedBatch, mode: str) -> Tensor:
+        """logits [1, T, V] (mode "logits") or final hidden states [1, T, d] ("hidden")."""
+        device = packed.tokens.device
         tables, template = layout_tables(packed, device)
+        if self.compile_region() == "layer":
+            return self._run_layers(packed, mode, tables, template)
+        compiled = self._compiled_call(mode, functools.partial(self._traced, mode), device)
         self._backends[mode].template = template
         with bounded_recompiles(RECOMPILE_LIMIT, f"the dualkv model ({mode} mode)"):
-            return self._compiled[mode](packed.tokens, packed.positions, tables)
+            return compiled(packed.tokens, packed.positions, tables)
+
+    def _run_layers(self, packed: PackedBatch, mode: str, tables, template) -> Tensor:
+        """The layer region: one compiled graph per layer call (Dynamo reuses it for every
+        layer of the same structure), each between that layer's FSDP hooks."""
+        from .fsdp import run_as_forward
+
+        compiled = self._compiled_call("layer", self._traced_layer, packed.tokens.device)
+        self._backends["layer"].template = template
+        model, adapter = self.model, self._adapter
+        hidden = adapter.embed(model, packed.tokens)
+        with bounded_recompiles(RECOMPILE_LIMIT, "the dualkv layer region"):
+            for layer in adapter.layers(model):
+                hidden = run_as_forward(layer, functools.partial(compiled, layer), hidden,
+                                        packed.positions, tables)
+        hidden = adapter.final_norm(model, hidden)
+        return adapter.head(model, hidden) if mode == "logits" else hidden
 
     def _packed_or_dense(self, packed_fn, dense_fn):
+        """packed_fn() (or dense_fn() when disabled or refused), as the model's forward: an
+        FSDP-sharded model's root hooks run around it (fsdp.py)."""
+        from .fsdp import run_as_forward
+
+        return run_as_forward(self.model, self._choose, packed_fn, dense_fn)
+
+    def _choose(self, packed_fn, dense_fn):
         if not self.uses_dualkv:
             return dense_fn()
         try:
@@ -223,14 +277,13 @@ class DualKVModel(nn.Module):
             src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
             rows = _row_sources(mask, prompt_len, src.device)
             return _scatter(self, hidden.flatten(0, 1), rows, targets, dst, tokens, prompt_len,
-                            weight, temperature)
+                            temperature)
 
         def packed():
             pb = self._pack(tokens, prompt_len, padding_mask)
             hidden = self._run_packed(pb, "hidden")[0]  # [T, d]
             src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
-            return _scatter(self, hidden, src, targets, dst, tokens, prompt_len, weight,
-                            temperature)
+            return _scatter(self, hidden, src, targets, dst, tokens, prompt_len, temperature)
 
         return self._packed_or_dense(packed, dense)
 
@@ -264,7 +317,9 @@ def _row_sources(mask, prompt_len, device):
     return flat[:, prompt_len:][mask[:, prompt_len:]]
 
 
-def _scatter(self, hidden, src, targets, dst, tokens, prompt_len, weight, temperature):
+def _scatter(self, hidden, src, targets, dst, tokens, prompt_len, temperature):
+    # the weight is read here, inside the model's forward: FSDP2 has all-gathered it by now
+    weight = self._adapter.lm_head_weight(self.model)
     lp = chunked_logprobs(hidden.index_select(0, src), weight, targets,
                           temperature=temperature, chunk_size=self.config.logprob_chunk_size)
     b, l = tokens.shape

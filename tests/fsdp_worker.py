@@ -1,0 +1,88 @@
+"""Run by tests/test_fsdp.py under torchrun (2 CPU processes, gloo): optimize() on FSDP2-sharded
+torchtune decoders, fp64, against the unsharded model row by row. Prints one JSON line per case
+on rank 0."""
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import dualkv_compile as dk
+from dualkv_compile.testing import (make_batch, rel_err, row_by_row_response_logprobs,
+                                    same_dtype_numerics, tiny_model)
+
+
+def model_pair(family, checkpointed):
+    sharded = same_dtype_numerics(tiny_model(family)).double()
+    plain = same_dtype_numerics(tiny_model(family)).double()
+    if checkpointed:
+        from torchtune.modules import TransformerSelfAttentionLayer
+        from torchtune.training import set_activation_checkpointing
+
+        set_activation_checkpointing(sharded, auto_wrap_policy={TransformerSelfAttentionLayer})
+    return sharded, plain
+
+
+def run_case(name, family="qwen2_5", checkpointed=False, per_layer=True, enabled=True,
+             region="auto"):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dk.counters.clear()
+    torch._dynamo.reset()
+    sharded, plain = model_pair(family, checkpointed)
+    if per_layer:
+        for layer in sharded.layers:
+            fully_shard(layer)
+    fully_shard(sharded)
+    # each rank its own batch, as in data parallel training
+    tokens, mask, p = make_batch([9, 5], [[6, 0, 11], [3, 3]], shuffle=True, vocab=99,
+                                 generator=torch.Generator().manual_seed(rank))
+    tokens = tokens % 101  # tiny_model's vocabulary
+    wrapper = dk.optimize(sharded, dk.DualKVConfig(enabled=enabled, compile_region=region))
+    result = {"case": name}
+    try:
+        with torch.no_grad():  # old/reference logprobs, as the recipe takes them
+            frozen = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        weights = torch.linspace(-1, 1, frozen.numel(), dtype=frozen.dtype).view_as(frozen)
+        for _ in range(2):  # two micro-batches accumulate
+            lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+            (lp * weights).sum().backward()
+    except Exception as exc:  # reported to the test, which decides
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+    ref = row_by_row_response_logprobs(plain, tokens, mask, p)
+    (ref * weights).sum().backward()
+    grad_err = 0.0
+    for (pname, param), ref_param in zip(sharded.named_parameters(), plain.parameters()):
+        expected = ref_param.grad.clone()
+        dist.all_reduce(expected)  # FSDP averages the ranks' gradients
+        expected *= 2 / world  # two accumulated micro-batches
+        got = param.grad.full_tensor()
+        grad_err = max(grad_err, rel_err(got, expected))
+    errors = torch.tensor([rel_err(lp.detach(), ref.detach()), rel_err(frozen, ref.detach()),
+                           grad_err], dtype=torch.float64)
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    result.update(logprob_err=errors[0].item(), no_grad_err=errors[1].item(),
+                  grad_err=errors[2].item(), region=wrapper.compile_region(),
+                  counters=dict(dk.counters))
+    return result
+
+
+def main():
+    dist.init_process_group("gloo")
+    cases = [
+        run_case("layers"),
+        run_case("layers_checkpointed", checkpointed=True),
+        run_case("llama_layers", family="llama3_2"),
+        run_case("root_only", per_layer=False),
+        run_case("disabled", enabled=False),
+        run_case("model_region", region="model"),
+    ]
+    if dist.get_rank() == 0:
+        for case in cases:
+            print("CASE " + json.dumps(case), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""compile_region="layer": one compiled graph per decoder layer (reused by every layer), the
+embedding, final norm and LM head eager. CPU, fp64, against the unmodified model row by row;
+the FSDP2 use of this path is tests/test_fsdp.py."""
+
+import pytest
+import torch
+
+import dualkv_compile as dk
+from dualkv_compile.testing import (
+    make_batch,
+    rel_err,
+    row_by_row_logits,
+    row_by_row_response_logprobs,
+    same_dtype_numerics,
+    tiny_model,
+)
+
+TOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters():
+    dk.counters.clear()
+    torch._dynamo.reset()
+
+
+def batch(seed=0, vocab=101):
+    g = torch.Generator().manual_seed(seed)
+    tokens, mask, p = make_batch([9, 5, 1], [[6, 0, 11], [3, 3], [7]], shuffle=True,
+                                 vocab=vocab - 2, generator=g)
+    return tokens % vocab, mask, p
+
+
+def _checkpointed(model):
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    return model
+
+
+@pytest.mark.parametrize("family,checkpointed", [("qwen2_5", False), ("llama3_2", False),
+                                                 ("qwen2_5", True)])
+def test_layer_region_matches_row_by_row(family, checkpointed):
+    model = same_dtype_numerics(tiny_model(family)).double()
+    if checkpointed:
+        model = _checkpointed(model)
+    tokens, mask, p = batch()
+    wrapper = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
+    assert wrapper.compile_region() == "layer"
+
+    logits = wrapper(tokens, prompt_len=p, padding_mask=mask)
+    for b, ref in enumerate(row_by_row_logits(model, tokens, mask)):
+        assert rel_err(logits[b, mask[b]], ref.to(logits.dtype)) < 1e-6, b  # float32 unembed
+
+    lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask, temperature=0.7)
+    weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)
+    (lp * weights).sum().backward()
+    ours = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+    ref = row_by_row_response_logprobs(model, tokens, mask, p, temperature=0.7)
+    assert rel_err(lp.detach(), ref.detach()) < TOL
+    (ref * weights).sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+        assert rel_err(ours[name], param.grad) < TOL, name
+
+    # one layer graph served both layers and both calls (the second call ran with grad too)
+    assert dk.counters["graphs_compiled"] == 1
+    assert dk.counters["attention_rewritten"] == 1
+    assert dk.counters["checkpoints_inlined"] == (1 if checkpointed else 0)
+    assert dk.counters["lm_head_pruned"] == 0  # the head runs eagerly, chunked
+
+
+def test_auto_region_is_model_for_an_unsharded_model():
+    wrapper = dk.optimize(tiny_model("qwen2_5"))
+    assert wrapper.compile_region() == "model"
+
+
+def test_layer_region_refuses_transformers_models():
+    wrapper = dk.optimize(tiny_model("hf_qwen3"), dk.DualKVConfig(compile_region="layer"))
+    tokens, mask, p = batch()
+    with pytest.raises(ValueError, match="torchtune decoders only"):
+        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_layer_region_refuses_hooked_layers():
+    model = tiny_model("qwen2_5")
+    model.layers[1].register_forward_hook(lambda mod, args, out: out)
+    wrapper = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
+    tokens, mask, p = batch()
+    with pytest.raises(ValueError, match="layer 1 has forward hooks"):
+        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_compile_region_is_validated():
+    with pytest.raises(ValueError, match="compile_region='layers'"):
+        dk.DualKVConfig(compile_region="layers")
