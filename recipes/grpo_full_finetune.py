@@ -9,8 +9,10 @@ through `optimize(model).response_logprobs`, the clipped loss with a KL term, mi
 whole groups with gradient accumulation, gradient clipping, the optimizer step. `dualkv.enabled:
 false` runs the same recipe on the plain model (the baseline).
 
-Single process for now; FSDP2 sharding and torchtune's HF checkpointers come with the
-real-checkpoint configs of issue #5.
+Data parallel with FSDP2: `tune run --nproc_per_node K ...` (NCCL on CUDA, gloo on CPU) shards
+each decoder layer and the model (dualkv_compile.rl.distributed.shard_decoder); each rank
+samples its own share of the step's groups, the loss is normalised over all ranks' tokens, and
+optimize() drives the FSDP hooks layer by layer (compile_region "auto" -> "layer").
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 import dualkv_compile as dk
 from dualkv_compile.rl import group_advantages, groups_with_signal, overlong_penalty
+from dualkv_compile.rl import distributed as ddp
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -39,10 +42,14 @@ class GRPORecipe:
         self.cfg = cfg
         if cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r} is not one of {sorted(_DTYPES)}")
-        if cfg.groups_per_step % cfg.micro_batch_groups:
-            raise ValueError(f"micro_batch_groups={cfg.micro_batch_groups} must divide "
-                             f"groups_per_step={cfg.groups_per_step}")
-        self.device = torch.device(cfg.device)
+        self.device = ddp.init_distributed(cfg.device)
+        self.rank, self.world_size = ddp.world()
+        per_rank, rest = divmod(cfg.groups_per_step, self.world_size)
+        if rest or per_rank % cfg.micro_batch_groups:
+            raise ValueError(f"groups_per_step={cfg.groups_per_step} must split into "
+                             f"{self.world_size} rank(s) x whole micro-batches of "
+                             f"micro_batch_groups={cfg.micro_batch_groups}")
+        self.groups_per_rank = per_rank
         self.dtype = _DTYPES[cfg.dtype]
         self.output_dir = Path(cfg.output_dir)
         self.history: list[dict] = []  # the logged metrics, for tests
@@ -51,7 +58,7 @@ class GRPORecipe:
     # ---- setup -------------------------------------------------------------------------------
     def setup(self):
         cfg = self.cfg
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.task = config.instantiate(cfg.task, tokenizer=self.tokenizer)
         self.model = config.instantiate(cfg.model)
@@ -70,42 +77,54 @@ class GRPORecipe:
 
             set_activation_checkpointing(self.model,
                                          auto_wrap_policy={TransformerSelfAttentionLayer})
+        reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
+        ddp.shard_decoder(self.model, reshard_after_forward=reshard)
+        ddp.shard_decoder(self.ref_model, reshard_after_forward=reshard)
         dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback,
                                attention_backend=cfg.dualkv.get("attention_backend", "auto"))
         self.policy = dk.optimize(self.model, dcfg)
         self.reference = dk.optimize(self.ref_model, dcfg)
         self.loss_fn = config.instantiate(cfg.loss)
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
-        self.rng = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        # sampling differs per rank; the task's prompt order is shared (see _sample_prompts)
+        self.rng = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.resume_from_checkpoint:
             self._load_checkpoint()
-        self.metric_logger = config.instantiate(cfg.metric_logger)
-        self.metric_logger.log_config(cfg)
+        self.metric_logger = config.instantiate(cfg.metric_logger) if self.rank == 0 else None
+        if self.metric_logger is not None:
+            self.metric_logger.log_config(cfg)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _checkpoint_path(self) -> Path:
         return self.output_dir / "checkpoint.pt"
 
     def save_checkpoint(self):
-        torch.save({"model": self.model.state_dict(), "ref_model": self.ref_model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(), "step": self.step,
-                    "task": self.task.state_dict(), "rng": self.rng.get_state(),
-                    "torch_rng": torch.get_rng_state()}, self._checkpoint_path())
+        """Full (unsharded) states, written by rank 0; every rank's sampling RNG."""
+        model, optimizer = ddp.full_state_dicts(self.model, self.optimizer)
+        ref, _ = ddp.full_state_dicts(self.ref_model, None)
+        rngs = ddp.gather_objects((self.rng.get_state(), torch.get_rng_state()))
+        if self.rank != 0:
+            return
+        torch.save({"model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
+                    "task": self.task.state_dict(), "rngs": rngs}, self._checkpoint_path())
         if self.checkpointer is not None:
-            self.checkpointer.save_checkpoint({"model": self.model.state_dict()}, epoch=self.step)
+            self.checkpointer.save_checkpoint({"model": model}, epoch=self.step)
 
     def _load_checkpoint(self):
         path = self._checkpoint_path()
         if not path.is_file():
             raise FileNotFoundError(f"resume_from_checkpoint=true but {path} does not exist")
         state = torch.load(path, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.ref_model.load_state_dict(state["ref_model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if len(state["rngs"]) != self.world_size:
+            raise ValueError(f"{path} was written by {len(state['rngs'])} rank(s); resume it "
+                             f"with the same number, not {self.world_size}")
+        ddp.load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
+        ddp.load_full_state_dicts(self.ref_model, None, state["ref_model"], None)
         self.task.load_state_dict(state["task"])
-        self.rng.set_state(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
+        rng, torch_rng = state["rngs"][self.rank]
+        self.rng.set_state(rng)
+        torch.set_rng_state(torch_rng)
         self.step = state["step"]
 
     # ---- rollouts ----------------------------------------------------------------------------
@@ -132,34 +151,52 @@ class GRPORecipe:
         mask = torch.cat([batch != tok.pad_id, before_eos], 1)  # prompts may be left-padded
         return torch.where(mask, tokens, tok.pad_id), mask, lengths
 
+    def _sample_prompts(self, need: int):
+        """This rank's `need` prompts. Every rank draws all ranks' prompts from the task (so
+        its generator stays the same everywhere, and one process sees the same order) and
+        keeps its own slice."""
+        needs = [int(n) for n in ddp.gather_objects(need)]
+        prompts, answers = self.task.sample_prompts(sum(needs))
+        start = sum(needs[: self.rank])
+        return prompts[start:start + need], answers[start:start + need]
+
     def _scored_rollouts(self):
-        """Rollouts and rewards for groups_per_step groups; with dynamic sampling, groups whose
-        rewards are all equal are dropped and refilled (up to 4 rounds)."""
-        cfg = self.cfg
-        kept: list[tuple] = []
+        """Rollouts and rewards for this rank's groups; with dynamic sampling, groups whose
+        rewards are all equal are dropped and refilled (up to 4 rounds). Every rank runs the
+        same rounds (the prompt draw is collective); one that is full samples nothing."""
+        cfg, n = self.cfg, self.cfg.group_size
+        kept: list[tuple] = []  # (tokens, mask, lengths, rewards, prompt width) per group
         for _ in range(4 if cfg.dynamic_sampling else 1):
-            need = cfg.groups_per_step - len(kept)
-            prompts, answers = self.task.sample_prompts(need)
+            need = self.groups_per_rank - len(kept)
+            if ddp.all_max(need)[0] == 0:
+                break
+            prompts, answers = self._sample_prompts(need)
+            if need == 0:
+                continue
             tokens, mask, lengths = self.rollout(prompts)
             rewards = self.task.rewards(tokens[:, prompts.shape[1]:],
-                                        [a for a in answers for _ in range(cfg.group_size)])
+                                        [a for a in answers for _ in range(n)])
             if cfg.overlong:
                 rewards = rewards + overlong_penalty(lengths, max_len=cfg.overlong.max_len,
                                                      cache_len=cfg.overlong.cache_len)
-            per_group = rewards.view(need, cfg.group_size)
+            per_group = rewards.view(need, n)
             keep = groups_with_signal(per_group) if cfg.dynamic_sampling else torch.ones(need, dtype=torch.bool)
-            n = cfg.group_size
             for g in keep.nonzero()[:, 0].tolist():
                 rows = slice(g * n, (g + 1) * n)
-                kept.append((tokens[rows], mask[rows], lengths[rows], per_group[g]))
-            if len(kept) >= cfg.groups_per_step:
-                break
-        if not kept:
+                kept.append((tokens[rows], mask[rows], lengths[rows], per_group[g],
+                             prompts.shape[1]))
+        if ddp.all_max(0 if kept else 1)[0]:
             raise RuntimeError("dynamic sampling found no group with differing rewards in 4 "
-                               "rounds; lower the task's difficulty or disable it")
-        tokens, mask, lengths, rewards = (torch.cat([k[i] if i < 3 else k[i][None] for k in kept])
-                                          for i in range(4))
-        return tokens, mask, lengths, rewards, prompts.shape[1]
+                               "rounds (on at least one rank); lower the task's difficulty or "
+                               "disable it")
+        # prompts of different rounds may differ in width: left-pad to the widest
+        p = max(k[4] for k in kept)
+        pad = self.tokenizer.pad_id
+        tokens = torch.cat([torch.nn.functional.pad(k[0], (p - k[4], 0), value=pad) for k in kept])
+        mask = torch.cat([torch.nn.functional.pad(k[1], (p - k[4], 0), value=False) for k in kept])
+        lengths = torch.cat([k[2] for k in kept])
+        rewards = torch.stack([k[3] for k in kept])
+        return tokens, mask, lengths, rewards, p
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -175,50 +212,70 @@ class GRPORecipe:
                                                 temperature=temp)
             ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
                                                    temperature=temp)
-        n_groups = rewards.shape[0]
         rows_per_mb = cfg.micro_batch_groups * cfg.group_size
-        total_tokens = resp_mask.sum().clamp_min(1)
+        starts = list(range(0, tokens.shape[0], rows_per_mb))
+        # normalisers over all ranks; FSDP averages gradients over ranks, so scale back by the
+        # world size to get the gradient of the global loss
+        total_tokens, total_rows = ddp.all_sum(resp_mask.sum(), tokens.shape[0])
+        total_tokens = max(total_tokens, 1.0)
+        n_micro = int(ddp.all_max(len(starts))[0])
         loss_sum, kl_sum = 0.0, 0.0
-        for start in range(0, n_groups * cfg.group_size, rows_per_mb):
-            rows = slice(start, start + rows_per_mb)
+        for i in range(n_micro):
+            # a rank with fewer kept groups (dynamic sampling) repeats its first micro-batch
+            # at weight 0, so that every rank runs the same FSDP collectives
+            rows = slice(starts[i], starts[i] + rows_per_mb) if i < len(starts) else slice(0, rows_per_mb)
             lp = self.policy.response_logprobs(tokens[rows], prompt_len=p, padding_mask=mask[rows],
                                                temperature=temp)
             loss, stats = self.loss_fn(lp, old[rows], ref[rows], advantages[rows], resp_mask[rows])
-            if self.loss_fn.aggregation == "token":
-                weight = resp_mask[rows].sum() / total_tokens
+            if i >= len(starts):
+                weight = 0.0
+            elif self.loss_fn.aggregation == "token":
+                weight = float(resp_mask[rows].sum()) / total_tokens
             else:
-                weight = torch.tensor(lp.shape[0] / tokens.shape[0])
-            (loss * weight).backward()
-            loss_sum += float(loss.detach() * weight)
-            kl_sum += float(stats["kl"] * resp_mask[rows].sum() / total_tokens)  # token mean
+                weight = lp.shape[0] / total_rows
+            (loss * (weight * self.world_size)).backward()
+            loss_sum += float(loss.detach()) * weight
+            if i < len(starts):
+                kl_sum += float(stats["kl"] * resp_mask[rows].sum()) / total_tokens  # token mean
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
-        replicated = int(mask.sum())
-        return {"reward": float(rewards.mean()), "loss": loss_sum, "kl": kl_sum,
-                "grad_norm": float(grad_norm), "response_length": float(lengths.float().mean()),
-                "tokens_per_s": replicated / (t_end - t_rollout), "rho": packed.rho,
-                "step_time_s": t_end - t0, "policy_update_s": t_end - t_rollout,
-                "peak_memory_gib": _peak_memory_gib(self.device)}
+        loss_sum, kl_sum, reward_sum, n_groups, length_sum, replicated, packed_tokens = ddp.all_sum(
+            loss_sum, kl_sum, rewards.sum(), rewards.shape[0], lengths.sum(),
+            packed.replicated_tokens, packed.num_tokens)
+        step_time, update_time, peak = ddp.all_max(t_end - t0, t_end - t_rollout,
+                                                   _peak_memory_gib(self.device))
+        return {"reward": reward_sum / (n_groups * cfg.group_size), "loss": loss_sum,
+                "kl": kl_sum, "grad_norm": float(grad_norm),
+                "response_length": length_sum / total_rows,
+                "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,
+                "step_time_s": step_time, "policy_update_s": update_time,
+                "peak_memory_gib": peak}
 
     def train(self):
         start = self.step
         bar = tqdm(range(start, self.cfg.num_steps), initial=start, total=self.cfg.num_steps,
-                   desc="grpo", file=sys.stdout, dynamic_ncols=True)
+                   desc="grpo", file=sys.stdout, dynamic_ncols=True, disable=self.rank != 0)
         for _ in bar:
             metrics = self.train_step()
             self.step += 1
             self.history.append({"step": self.step, **metrics})
-            self.metric_logger.log_dict(metrics, step=self.step)
+            if self.metric_logger is not None:
+                self.metric_logger.log_dict(metrics, step=self.step)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
         self.save_checkpoint()
 
     def cleanup(self):
-        self.metric_logger.close()
+        if self.metric_logger is not None:
+            self.metric_logger.close()
+        if self.world_size > 1:
+            torch.distributed.destroy_process_group()
 
 
 def _peak_memory_gib(device: torch.device) -> float:
@@ -233,6 +290,8 @@ def recipe_main(cfg: DictConfig) -> None:
     recipe.setup()
     recipe.train()
     recipe.cleanup()
+    if recipe.rank != 0:
+        return
     first, last = recipe.history[:5], recipe.history[-5:]
     mean = lambda rows: sum(r["reward"] for r in rows) / max(len(rows), 1)  # noqa: E731
     print(f"mean reward: first {len(first)} steps {mean(first):.3f}, "

@@ -1,0 +1,110 @@
+"""Data-parallel training with FSDP2 for the recipes: process group, sharding, sums over ranks,
+full-state checkpoints. Every function also works in a single process (world size 1), where the
+collectives are no-ops, so the recipe has one code path."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["init_distributed", "shard_decoder", "world", "all_sum", "all_max",
+           "full_state_dicts", "load_full_state_dicts", "gather_objects"]
+
+
+def init_distributed(device: str) -> torch.device:
+    """Join the process group when launched by torchrun / `tune run --nproc_per_node`
+    (WORLD_SIZE > 1): NCCL on CUDA, gloo on CPU. Returns this rank's device."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if dev.index is not None and size > 1:
+            raise ValueError(f"device={device!r}: name only the type ('cuda') when running on "
+                             f"{size} processes; each rank takes cuda:LOCAL_RANK")
+        dev = torch.device("cuda", dev.index if dev.index is not None else local)
+        torch.cuda.set_device(dev)
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return dev
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_decoder(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 as optimize() drives it (dualkv_compile/fsdp.py): fully_shard on each entry of
+    model.layers (after activation checkpointing), then on the model. No-op in one process."""
+    if world()[1] == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _reduce(values, op: str) -> list[float]:
+    if world()[1] == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                     device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_sum(*values: float) -> list[float]:
+    """Each value summed over the ranks."""
+    return _reduce(values, "sum")
+
+
+def all_max(*values: float) -> list[float]:
+    """Each value's maximum over the ranks."""
+    return _reduce(values, "max")
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order."""
+    if world()[1] == 1:
+        return [obj]
+    out = [None] * world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def full_state_dicts(model: nn.Module, optimizer) -> tuple[dict, dict | None]:
+    """The unsharded model state dict (on CPU, complete on rank 0) and optimizer state dict
+    (None for optimizer=None). Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = None if optimizer is None else get_optimizer_state_dict(model, optimizer,
+                                                                          options=options)
+    return model_state, optim_state
+
+
+def load_full_state_dicts(model: nn.Module, optimizer, model_state: dict,
+                          optim_state: dict | None) -> None:
+    """Inverse of full_state_dicts: every rank passes the full dicts it loaded."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
