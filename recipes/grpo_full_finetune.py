@@ -61,7 +61,8 @@ class GRPORecipe:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.task = config.instantiate(cfg.task, tokenizer=self.tokenizer)
-        self.model = config.instantiate(cfg.model)
+        with self.device:  # initialise on the device: random init of GPU-sized models is fast there
+            self.model = config.instantiate(cfg.model)
         # a torchtune checkpointer (e.g. dualkv_compile.models.Qwen3HFCheckpointer) loads the
         # starting weights and writes the trained ones in the source format
         self.checkpointer = config.instantiate(cfg.checkpointer) if cfg.get("checkpointer") else None

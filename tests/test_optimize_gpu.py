@@ -55,11 +55,13 @@ def enable_checkpointing(model):
     return model
 
 
-@pytest.mark.parametrize("family,checkpointing", [(f, False) for f in FAMILIES]
-                         + [("hf_qwen3", True), ("qwen2_5", True)])
+@pytest.mark.parametrize("family,checkpointing,region",
+                         [(f, False, "model") for f in FAMILIES]
+                         + [("hf_qwen3", True, "model"), ("qwen2_5", True, "model"),
+                            ("qwen2_5", False, "layer"), ("qwen2_5", True, "layer")])
 @torch._inductor.config.patch(fx_graph_cache=False)  # the counters below need a real compile
 @torch._functorch.config.patch(enable_autograd_cache=False)
-def test_bf16_model_matches_plain_model(family, checkpointing):
+def test_bf16_model_matches_plain_model(family, checkpointing, region):
     dk.counters.clear()
     vocab = 1024
     base = tiny_model(family, vocab=vocab, dim=256, max_seq_len=2048).cuda()
@@ -70,7 +72,7 @@ def test_bf16_model_matches_plain_model(family, checkpointing):
         enable_checkpointing(ours)
     tokens, mask, p = batch(0, vocab)
     adv = torch.linspace(-1, 1, tokens.shape[0], device="cuda")
-    wrapper = dk.optimize(ours)
+    wrapper = dk.optimize(ours, dk.DualKVConfig(compile_region=region))
     r = logprobs_and_grads(lambda: row_by_row_response_logprobs(ref32, tokens, mask, p),
                            ref32, tokens, mask, p, adv)
     d = logprobs_and_grads(lambda: row_by_row_response_logprobs(plain, tokens, mask, p),
@@ -78,14 +80,15 @@ def test_bf16_model_matches_plain_model(family, checkpointing):
     o = logprobs_and_grads(lambda: wrapper.response_logprobs(tokens, prompt_len=p,
                                                              padding_mask=mask),
                            ours, tokens, mask, p, adv)
-    errs = {"family": family, "checkpointing": checkpointing, "logprobs": {"ours": rel_err(o[0], r[0]), "dense_bf16": rel_err(d[0], r[0])},
+    errs = {"family": family, "checkpointing": checkpointing, "region": region, "logprobs": {"ours": rel_err(o[0], r[0]), "dense_bf16": rel_err(d[0], r[0])},
             "grads": {"ours": rel_err(o[1], r[1]), "dense_bf16": rel_err(d[1], r[1])},
             "counters": dict(dk.counters)}
     print(json.dumps(errs))
     assert torch.isfinite(o[0]).all() and torch.isfinite(o[1]).all()
-    assert dk.counters["attention_rewritten"] == 2 and dk.counters["dense_fallback"] == 0
-    assert dk.counters["checkpoints_inlined"] == (2 if checkpointing else 0)
-    assert dk.counters["attention_saved"] == 2  # Inductor ran the joint-graph pass
+    graphs = 2 if region == "model" else 1  # the layer region: one graph serves both layers
+    assert dk.counters["attention_rewritten"] == graphs and dk.counters["dense_fallback"] == 0
+    assert dk.counters["checkpoints_inlined"] == (graphs if checkpointing else 0)
+    assert dk.counters["attention_saved"] == graphs  # Inductor ran the joint-graph pass
     for key in ("logprobs", "grads"):
         assert errs[key]["ours"] <= 2 * errs[key]["dense_bf16"], (key, errs[key])
 

@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TUNE = str(Path(sys.executable).parent / "tune")
 
 
-def tune_run(out: Path, *overrides: str) -> list[dict]:
-    """Run the tiny config on 2 processes; the per-step metrics DiskLogger wrote."""
+def tune_run(out: Path, *overrides: str, config="tiny_grpo.yaml") -> list[dict]:
+    """Run a config on 2 processes; the per-step metrics DiskLogger wrote."""
     cmd = [TUNE, "run", "--nproc_per_node", "2", "recipes/grpo_full_finetune.py", "--config",
-           "recipes/configs/tiny_grpo.yaml", f"output_dir={out}",
+           f"recipes/configs/{config}", f"output_dir={out}",
            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
            f"metric_logger.log_dir={out}/logs", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -70,3 +70,22 @@ def test_groups_must_split_over_ranks(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert re.search(r"groups_per_step=4 must split into 2 rank", proc.stdout + proc.stderr)
+
+
+SHRUNK_1_7B = ["device=cpu", "dtype=fp32", "group_size=3", "max_generated_tokens=5",
+               "tokenizer.vocab_size=300", "task.prompt_len=20", "model.vocab_size=300",
+               "model.num_layers=2", "model.embed_dim=64", "model.num_heads=4",
+               "model.num_kv_heads=2", "model.head_dim=16", "model.intermediate_dim=128",
+               "model.max_seq_len=64"]
+
+
+def test_two_gpu_config_shrunk_runs_both_ways(tmp_path):
+    """recipes/configs/qwen3_1_7b_shaped_fsdp.yaml (the 2-GPU run) at CPU size: same
+    components, checkpointing and sharding; dualkv on and off agree."""
+    on = tune_run(tmp_path / "on", *SHRUNK_1_7B, config="qwen3_1_7b_shaped_fsdp.yaml")
+    off = tune_run(tmp_path / "off", *SHRUNK_1_7B, "dualkv.enabled=false",
+                   config="qwen3_1_7b_shaped_fsdp.yaml")
+    assert [r["step"] for r in on] == [1, 2] == [r["step"] for r in off]
+    for a, b in zip(on, off):
+        for key in ("loss", "kl", "grad_norm"):
+            assert close(a[key], b[key]), (key, a, b)
