@@ -135,15 +135,22 @@ class GRPORecipe:
         cfg, tok = self.cfg, self.tokenizer
         batch = prompts.repeat_interleave(cfg.group_size, 0).to(self.device)
         p, t = batch.shape[1], cfg.max_generated_tokens
+        # rows per generate() call: its prefill materialises [rows, P, vocab] float32 logits
+        chunk = cfg.get("rollout_batch_rows") or batch.shape[0]
+        # sharded, every decode step is a collective: all ranks run all t steps (no early stop)
+        stop = [tok.eos_id] if self.world_size == 1 else None
+        response = torch.full((batch.shape[0], t), tok.pad_id, dtype=batch.dtype,
+                              device=batch.device)
         self.model.eval()
-        with local_kv_cache(self.model, batch_size=batch.shape[0], device=self.device,
-                            dtype=self.dtype, decoder_max_seq_len=p + t):
-            out, _ = generate(self.model, batch, max_generated_tokens=t, pad_id=tok.pad_id,
-                              temperature=cfg.temperature, top_k=cfg.top_k,
-                              stop_tokens=[tok.eos_id], rng=self.rng)
+        for start in range(0, batch.shape[0], chunk):
+            rows = batch[start:start + chunk]
+            with local_kv_cache(self.model, batch_size=rows.shape[0], device=self.device,
+                                dtype=self.dtype, decoder_max_seq_len=p + t):
+                out, _ = generate(self.model, rows, max_generated_tokens=t, pad_id=tok.pad_id,
+                                  temperature=cfg.temperature, top_k=cfg.top_k,
+                                  stop_tokens=stop, rng=self.rng)
+            response[start:start + chunk, : out.shape[1] - p] = out[:, p:]
         self.model.train()
-        response = torch.full((batch.shape[0], t), tok.pad_id, dtype=out.dtype, device=out.device)
-        response[:, : out.shape[1] - p] = out[:, p:]
         is_eos = response == tok.eos_id
         # valid: everything up to and including the first eos
         before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0
