@@ -252,13 +252,17 @@ class GRPORecipe:
         self.optimizer.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
-        loss_sum, kl_sum, reward_sum, n_groups, length_sum, replicated, packed_tokens = ddp.all_sum(
-            loss_sum, kl_sum, rewards.sum(), rewards.shape[0], lengths.sum(),
-            packed.replicated_tokens, packed.num_tokens)
+        # the sampling policy's mean response-token logprob: a whole forward pass in one number
+        # (the step-1 loss is ~0 by construction: ratio 1 and zero-mean advantages per group)
+        logprob_sum = (old * resp_mask).sum() / total_tokens
+        (loss_sum, kl_sum, logprob_sum, reward_sum, n_groups, length_sum, replicated,
+         packed_tokens) = ddp.all_sum(loss_sum, kl_sum, logprob_sum, rewards.sum(),
+                                      rewards.shape[0], lengths.sum(), packed.replicated_tokens,
+                                      packed.num_tokens)
         step_time, update_time, peak = ddp.all_max(t_end - t0, t_end - t_rollout,
                                                    _peak_memory_gib(self.device))
         return {"reward": reward_sum / (n_groups * cfg.group_size), "loss": loss_sum,
-                "kl": kl_sum, "grad_norm": float(grad_norm),
+                "kl": kl_sum, "grad_norm": float(grad_norm), "response_logprob": logprob_sum,
                 "response_length": length_sum / total_rows,
                 "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,
                 "step_time_s": step_time, "policy_update_s": update_time,
@@ -277,7 +281,8 @@ class GRPORecipe:
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
-        self.save_checkpoint()
+        if self.cfg.get("save_final_checkpoint", True):
+            self.save_checkpoint()
 
     def cleanup(self):
         if self.metric_logger is not None:

@@ -48,7 +48,7 @@ def test_dualkv_on_and_off_agree_on_two_ranks(runs):
     assert [r["step"] for r in on] == [1, 2, 3] == [r["step"] for r in off]
     for a, b in zip(on, off):
         assert a["reward"] == b["reward"], (a, b)  # same rollouts
-        for key in ("loss", "kl", "grad_norm"):
+        for key in ("loss", "kl", "grad_norm", "response_logprob"):
             assert close(a[key], b[key]), (key, a, b)
         assert a["rho"] > 1.5 and a["grad_norm"] > 0
 
@@ -87,5 +87,8 @@ def test_two_gpu_config_shrunk_runs_both_ways(tmp_path):
                    config="qwen3_1_7b_shaped_fsdp.yaml")
     assert [r["step"] for r in on] == [1, 2] == [r["step"] for r in off]
     for a, b in zip(on, off):
-        for key in ("loss", "kl", "grad_norm"):
+        for key in ("loss", "kl", "grad_norm", "response_logprob"):
             assert close(a[key], b[key]), (key, a, b)
+        # a reward signal: groups whose samples all score alike have zero advantages and
+        # zero gradients, and on/off would agree trivially
+        assert a["grad_norm"] > 1e-3, a

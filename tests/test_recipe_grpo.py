@@ -42,7 +42,7 @@ def test_dualkv_on_and_off_agree_at_every_step(tmp_path):
     # abs=1e-6: at step 1 the policy equals the reference and each group's normalised
     # advantages sum to zero, so loss and KL are 0 up to float32 rounding (~1e-8)
     for a, b in zip(on.history, off.history):
-        for key in ("loss", "kl", "grad_norm"):
+        for key in ("loss", "kl", "grad_norm", "response_logprob"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert a["reward"] == b["reward"] and a["rho"] > 1
     assert any(h["kl"] > 0 for h in on.history[1:])  # the policy moved away from the reference
@@ -57,7 +57,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
     assert ckpt.policy.uses_dualkv
     plain = run(tmp_path, "plain", num_steps=2)
     for a, b in zip(ckpt.history, plain.history):
-        for key in ("loss", "kl", "grad_norm"):
+        for key in ("loss", "kl", "grad_norm", "response_logprob"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
     assert set(ckpt.model.state_dict()) == set(plain.model.state_dict())  # same keys saved
 

@@ -54,9 +54,13 @@ class Qwen3Attention(MultiHeadAttention):
 def qwen3(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
           embed_dim: int, intermediate_dim: int, head_dim: int, max_seq_len: int = 40960,
           rope_base: float = 1_000_000.0, norm_eps: float = 1e-6,
-          tie_word_embeddings: bool = False) -> TransformerDecoder:
+          tie_word_embeddings: bool = False, init_std: float = 0.02) -> TransformerDecoder:
     """A Qwen3 decoder; parameter names map one to one onto transformers' Qwen3ForCausalLM
-    (see dualkv_compile.models.hf_checkpoint)."""
+    (see dualkv_compile.models.hf_checkpoint). Random weights are drawn as transformers draws
+    them (`initializer_range`): projections and embeddings N(0, init_std), norms 1. PyTorch's
+    default N(0, 1) embedding would dominate the residual stream, and with tied embeddings a
+    random model would then repeat its input token almost surely (every sample of a group
+    alike, so GRPO would see no reward signal)."""
     rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     layers = nn.ModuleList()
     for _ in range(num_layers):
@@ -78,9 +82,13 @@ def qwen3(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int
     embeddings = nn.Embedding(vocab_size, embed_dim)
     output = TiedLinear(embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size,
                                                                           bias=False)
-    return TransformerDecoder(tok_embeddings=embeddings, layers=layers, max_seq_len=max_seq_len,
-                              num_heads=num_heads, head_dim=head_dim,
-                              norm=RMSNorm(embed_dim, eps=norm_eps), output=output)
+    model = TransformerDecoder(tok_embeddings=embeddings, layers=layers, max_seq_len=max_seq_len,
+                               num_heads=num_heads, head_dim=head_dim,
+                               norm=RMSNorm(embed_dim, eps=norm_eps), output=output)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=init_std)
+    return model
 
 
 def qwen3_tiny(vocab_size: int = 151936, **kw) -> TransformerDecoder:
