@@ -8,6 +8,7 @@ import torch
 import dualkv_compile as dk
 from dualkv_compile.models import (
     load_hf_checkpoint,
+    qwen3,
     qwen3_from_hf_config,
     qwen3_tiny,
     save_hf_checkpoint,
@@ -99,3 +100,18 @@ def test_qwen3_through_optimize():
     lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     ref = row_by_row_response_logprobs(model, tokens, mask, p)
     assert rel_err(lp.detach(), ref.detach()) < 1e-5  # the model's norms compute in float32
+
+
+def test_random_weights_are_drawn_as_transformers_draws_them():
+    """N(0, 0.02) projections and embeddings: sampling a random tied model gives varied tokens.
+    (With PyTorch's N(0, 1) embedding the input token got probability 1.0, every sample of a
+    GRPO group was the same and the advantages were all 0.)"""
+    torch.manual_seed(0)
+    model = qwen3(vocab_size=500, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=128,
+                  intermediate_dim=256, head_dim=32, tie_word_embeddings=True).eval()
+    stds = {name: float(p.std()) for name, p in model.named_parameters() if p.dim() == 2}
+    assert all(abs(s - 0.02) < 0.004 for s in stds.values()), stds
+    tokens = torch.randint(0, 500, (4, 32))
+    with torch.no_grad():
+        probs = model(tokens).float().softmax(-1)
+    assert probs.max() < 0.1  # close to uniform (1/500), nowhere near one certain token
