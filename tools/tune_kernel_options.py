@@ -17,6 +17,7 @@ import json
 import pprint
 
 import torch
+from tqdm import tqdm
 
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.kernel_options import validate_kernel_options
@@ -111,22 +112,26 @@ def main(argv=None):
     arch = tuple(torch.cuda.get_device_capability())
     TRITON_OPTIONS_BY_ARCH[arch] = {}  # candidates, "defaults" included, must not sit on old entries
     results, table = [], {}
-    for d in args.head_dims:
-        for gqa in args.gqa:
-            res = tune_one(d, gqa, args)
-            results.append(res)
-            print(json.dumps({k: res[k] for k in ("head_dim", "gqa", "default_ms", "best_ms",
-                                                   "gain", "chosen")}), flush=True)
-            if res["chosen"]:
-                table[(d, gqa)] = res["chosen"]
+    combos = [(d, g) for d in args.head_dims for g in args.gqa]
+    for d, gqa in tqdm(combos, desc="tune", unit="shape", dynamic_ncols=True):
+        res = tune_one(d, gqa, args)
+        results.append(res)
+        tqdm.write(json.dumps({k: res[k] for k in ("head_dim", "gqa", "default_ms", "best_ms",
+                                                    "gain", "chosen")}))
+        if res["chosen"]:
+            table[(d, gqa)] = res["chosen"]
+        if args.out:  # after every shape, so that a time limit keeps what was measured
+            write(args, results, table)
     print(f"TRITON_OPTIONS_BY_ARCH[{arch}] =")
     pprint.pprint(table)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": {**environment(), "shape": args.shape, "heads": args.heads,
-                                "min_gain": args.min_gain},
-                       "results": results,
-                       "table": {f"{d},{g}": o for (d, g), o in table.items()}}, f, indent=1)
+
+
+def write(args, results, table):
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": {**environment(), "shape": args.shape, "heads": args.heads,
+                            "min_gain": args.min_gain},
+                   "results": results,
+                   "table": {f"{d},{g}": o for (d, g), o in table.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":
