@@ -92,3 +92,34 @@ def test_two_gpu_config_shrunk_runs_both_ways(tmp_path):
         # a reward signal: groups whose samples all score alike have zero advantages and
         # zero gradients, and on/off would agree trivially
         assert a["grad_norm"] > 1e-3, a
+
+
+def test_real_checkpoint_config_on_two_ranks(tmp_path):
+    """The Qwen3 config that reads a local transformers checkpoint, sharded over 2 processes:
+    it trains, and the weights it writes in transformers' format are the trained full state."""
+    import json
+
+    import torch
+    import transformers as tf
+    from test_recipe_hf import write_checkpoint, write_tokenizer
+
+    from dualkv_compile.rl import HFTokenizer
+
+    folder, data = tmp_path / "qwen3-tiny", tmp_path / "train.jsonl"
+    write_tokenizer(folder)
+    write_checkpoint(folder, len(HFTokenizer(str(folder))._tok))
+    problems = [{"question": f"what is {a}+{b}?", "answer": f"#### {a + b}"}
+                for a in range(3) for b in range(3)]
+    data.write_text("\n".join(json.dumps(p) for p in problems))
+    out = tmp_path / "run"
+    rows = tune_run(out, f"checkpoint_dir={folder}", f"task.path={data}", "device=cpu",
+                    "dtype=fp32", "num_steps=2", "groups_per_step=2", "group_size=2",
+                    "max_generated_tokens=6", "micro_batch_groups=1",
+                    config="qwen3_1_7b_grpo.yaml")
+    assert [r["step"] for r in rows] == [1, 2]
+    trained = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+    hf = tf.Qwen3ForCausalLM.from_pretrained(out / "hf" / "epoch_2")
+    start = tf.Qwen3ForCausalLM.from_pretrained(folder)
+    assert not torch.equal(hf.model.embed_tokens.weight, start.model.embed_tokens.weight)
+    torch.testing.assert_close(hf.model.embed_tokens.weight, trained["tok_embeddings.weight"],
+                               rtol=0, atol=0)
