@@ -137,19 +137,17 @@ class GRPORecipe:
         p, t = batch.shape[1], cfg.max_generated_tokens
         # rows per generate() call: its prefill materialises [rows, P, vocab] float32 logits
         chunk = cfg.get("rollout_batch_rows") or batch.shape[0]
-        # sharded, every decode step is a collective: all ranks run all t steps (no early stop)
-        stop = [tok.eos_id] if self.world_size == 1 else None
         response = torch.full((batch.shape[0], t), tok.pad_id, dtype=batch.dtype,
                               device=batch.device)
+        starts = list(range(0, batch.shape[0], chunk))
         self.model.eval()
-        for start in range(0, batch.shape[0], chunk):
-            rows = batch[start:start + chunk]
-            with local_kv_cache(self.model, batch_size=rows.shape[0], device=self.device,
-                                dtype=self.dtype, decoder_max_seq_len=p + t):
-                out, _ = generate(self.model, rows, max_generated_tokens=t, pad_id=tok.pad_id,
-                                  temperature=cfg.temperature, top_k=cfg.top_k,
-                                  stop_tokens=stop, rng=self.rng)
-            response[start:start + chunk, : out.shape[1] - p] = out[:, p:]
+        # sharded, every decode step is a collective: all ranks make the same number of calls
+        for i in range(self._generate_calls(len(starts))):
+            if i < len(starts):
+                rows = batch[starts[i]:starts[i] + chunk]
+                response[starts[i]:starts[i] + chunk] = self._generate(rows)[:, p:]
+            else:
+                self._generate(batch[:1])  # keeps step with a rank that has more rows
         self.model.train()
         is_eos = response == tok.eos_id
         # valid: everything up to and including the first eos
@@ -158,6 +156,35 @@ class GRPORecipe:
         tokens = torch.cat([batch, response], 1)
         mask = torch.cat([batch != tok.pad_id, before_eos], 1)  # prompts may be left-padded
         return torch.where(mask, tokens, tok.pad_id), mask, lengths
+
+    def _generate(self, rows: torch.Tensor) -> torch.Tensor:
+        """One KV-cached generate() call: rows [B, P] -> [B, P + max_generated_tokens]. Sharded,
+        it decodes all steps (no early stop at eos), as every step is a collective."""
+        cfg, tok = self.cfg, self.tokenizer
+        t = cfg.max_generated_tokens
+        stop = [tok.eos_id] if self.world_size == 1 else None
+        with local_kv_cache(self.model, batch_size=rows.shape[0], device=self.device,
+                            dtype=self.dtype, decoder_max_seq_len=rows.shape[1] + t):
+            out, _ = generate(self.model, rows, max_generated_tokens=t, pad_id=tok.pad_id,
+                              temperature=cfg.temperature, top_k=cfg.top_k, stop_tokens=stop,
+                              rng=self.rng)
+        # an early stop leaves fewer columns: pad to the full width
+        return torch.nn.functional.pad(out, (0, rows.shape[1] + t - out.shape[1]),
+                                       value=tok.pad_id)
+
+    def _generate_calls(self, mine: int) -> int:
+        return mine if self.world_size == 1 else int(ddp.all_max(mine)[0])
+
+    def idle_rollout(self):
+        """A sharded rank with no rows this round still joins the others' generate() calls."""
+        calls = self._generate_calls(0)
+        if calls:
+            self.model.eval()
+            prompt = torch.full((1, 1), self.tokenizer.eos_id, dtype=torch.long,
+                                device=self.device)
+            for _ in range(calls):
+                self._generate(prompt)
+            self.model.train()
 
     def _sample_prompts(self, need: int):
         """This rank's `need` prompts. Every rank draws all ranks' prompts from the task (so
@@ -171,22 +198,26 @@ class GRPORecipe:
     def _scored_rollouts(self):
         """Rollouts and rewards for this rank's groups; with dynamic sampling, groups whose
         rewards are all equal are dropped and refilled (up to 4 rounds). Every rank runs the
-        same rounds (the prompt draw is collective); one that is full samples nothing."""
+        same rounds (the prompt draw is collective); sharded, one that needs fewer rows, or
+        none, still joins the others' generate() calls (each decode step is a collective)."""
         cfg, n = self.cfg, self.cfg.group_size
         kept: list[tuple] = []  # (tokens, mask, lengths, rewards, prompt width) per group
+        sampled: list[torch.Tensor] = []  # every round's rewards, dropped groups included
         for _ in range(4 if cfg.dynamic_sampling else 1):
             need = self.groups_per_rank - len(kept)
             if ddp.all_max(need)[0] == 0:
                 break
             prompts, answers = self._sample_prompts(need)
             if need == 0:
+                self.idle_rollout()
                 continue
             tokens, mask, lengths = self.rollout(prompts)
             rewards = self.task.rewards(tokens[:, prompts.shape[1]:],
                                         [a for a in answers for _ in range(n)])
-            if cfg.overlong:
-                rewards = rewards + overlong_penalty(lengths, max_len=cfg.overlong.max_len,
+            if cfg.overlong:  # rewards live on the CPU
+                rewards = rewards + overlong_penalty(lengths.cpu(), max_len=cfg.overlong.max_len,
                                                      cache_len=cfg.overlong.cache_len)
+            sampled.append(rewards)
             per_group = rewards.view(need, n)
             keep = groups_with_signal(per_group) if cfg.dynamic_sampling else torch.ones(need, dtype=torch.bool)
             for g in keep.nonzero()[:, 0].tolist():
@@ -204,13 +235,13 @@ class GRPORecipe:
         mask = torch.cat([torch.nn.functional.pad(k[1], (p - k[4], 0), value=False) for k in kept])
         lengths = torch.cat([k[2] for k in kept])
         rewards = torch.stack([k[3] for k in kept])
-        return tokens, mask, lengths, rewards, p
+        return tokens, mask, lengths, rewards, p, torch.cat(sampled)
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        tokens, mask, lengths, rewards, p = self._scored_rollouts()
+        tokens, mask, lengths, rewards, p, sampled = self._scored_rollouts()
         advantages = group_advantages(rewards).flatten().to(self.device)
         t_rollout = time.perf_counter()
         resp_mask = mask[:, p:]
@@ -255,13 +286,16 @@ class GRPORecipe:
         # the sampling policy's mean response-token logprob: a whole forward pass in one number
         # (the step-1 loss is ~0 by construction: ratio 1 and zero-mean advantages per group)
         logprob_sum = (old * resp_mask).sum() / total_tokens
-        (loss_sum, kl_sum, logprob_sum, reward_sum, n_groups, length_sum, replicated,
-         packed_tokens) = ddp.all_sum(loss_sum, kl_sum, logprob_sum, rewards.sum(),
-                                      rewards.shape[0], lengths.sum(), packed.replicated_tokens,
-                                      packed.num_tokens)
+        (loss_sum, kl_sum, logprob_sum, reward_sum, n_groups, sampled_sum, n_sampled,
+         length_sum, replicated, packed_tokens) = ddp.all_sum(
+            loss_sum, kl_sum, logprob_sum, rewards.sum(), rewards.shape[0], sampled.sum(),
+            sampled.numel(), lengths.sum(), packed.replicated_tokens, packed.num_tokens)
         step_time, update_time, peak = ddp.all_max(t_end - t0, t_end - t_rollout,
                                                    _peak_memory_gib(self.device))
-        return {"reward": reward_sum / (n_groups * cfg.group_size), "loss": loss_sum,
+        # reward: over the groups trained on; sampled_reward: over every response sampled
+        # (they differ only with dynamic sampling, which drops groups whose rewards are equal)
+        return {"reward": reward_sum / (n_groups * cfg.group_size),
+                "sampled_reward": sampled_sum / max(n_sampled, 1), "loss": loss_sum,
                 "kl": kl_sum, "grad_norm": float(grad_norm), "response_logprob": logprob_sum,
                 "response_length": length_sum / total_rows,
                 "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,

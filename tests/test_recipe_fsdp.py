@@ -13,14 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TUNE = str(Path(sys.executable).parent / "tune")
 
 
-def tune_run(out: Path, *overrides: str, config="tiny_grpo.yaml") -> list[dict]:
+def tune_run(out: Path, *overrides: str, config="tiny_grpo.yaml", timeout=600) -> list[dict]:
     """Run a config on 2 processes; the per-step metrics DiskLogger wrote."""
     cmd = [TUNE, "run", "--nproc_per_node", "2", "recipes/grpo_full_finetune.py", "--config",
            f"recipes/configs/{config}", f"output_dir={out}",
            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
            f"metric_logger.log_dir={out}/logs", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = []
     for log in sorted((out / "logs").glob("*.txt")):
@@ -123,3 +123,19 @@ def test_real_checkpoint_config_on_two_ranks(tmp_path):
     assert not torch.equal(hf.model.embed_tokens.weight, start.model.embed_tokens.weight)
     torch.testing.assert_close(hf.model.embed_tokens.weight, trained["tok_embeddings.weight"],
                                rtol=0, atol=0)
+
+
+def test_dynamic_sampling_ranks_refill_different_amounts(tmp_path):
+    """Sharded generation is collective: a rank that needs fewer rows (or none) in a refill
+    round must still join the others' generate() calls, or the run hangs. Round 1: rank 0
+    keeps 1 of its 2 groups, rank 1 none; round 2: rank 0 refills 1 group (1 call of 8 rows),
+    rank 1 refills 2 (2 calls) and keeps 1; round 3: rank 0 is full, rank 1 refills 1."""
+    rows = tune_run(tmp_path / "ds", "num_steps=1", "groups_per_step=4", "group_size=8",
+                    "micro_batch_groups=1", "rollout_batch_rows=8", "dynamic_sampling=true",
+                    "task._component_=tests.rank_dependent_task.RankDependentTask",
+                    "task.group_size=8", timeout=300)
+    (step,) = rows
+    assert step["reward"] == 0.5  # every kept group: 0, 1, 0, 1, ...
+    # sampled: rank 0 24 rows, 8 rewarded; rank 1 40 rows, 8 rewarded
+    assert step["sampled_reward"] == 16 / 64
+    assert step["grad_norm"] > 0

@@ -1,0 +1,29 @@
+"""A task for the 2-process dynamic-sampling test: which groups have a reward signal depends on
+the rank and the round, so the ranks need different numbers of refill rounds and rows."""
+
+import torch
+import torch.distributed as dist
+
+from dualkv_compile.rl import RepeatLastLetterTask
+
+# rank -> per rewards() call, the groups (of the rows passed) whose rewards are all 0
+NO_SIGNAL = {0: [[0], []], 1: [[0, 1], [0], []]}
+
+
+class RankDependentTask(RepeatLastLetterTask):
+    """Rewards 0, 1, 0, 1, ... within each group (a signal), except for the groups NO_SIGNAL
+    lists for this rank and call, which get all 0 (dropped by dynamic sampling)."""
+
+    def __init__(self, *args, group_size: int, **kw):
+        super().__init__(*args, **kw)
+        self.group_size, self.calls = group_size, 0
+
+    def rewards(self, responses, answers):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        plan = NO_SIGNAL[rank]
+        silent = plan[self.calls] if self.calls < len(plan) else []
+        self.calls += 1
+        rewards = (torch.arange(responses.shape[0]) % 2).float()
+        for g in silent:
+            rewards[g * self.group_size:(g + 1) * self.group_size] = 0
+        return rewards
