@@ -107,8 +107,13 @@ class GRPORecipe:
         rngs = ddp.gather_objects((self.rng.get_state(), torch.get_rng_state()))
         if self.rank != 0:
             return
+        # written aside, then renamed: a crash mid-write leaves the previous checkpoint whole,
+        # and a resumed run's memory-mapped read of the old file stays valid
+        path = self._checkpoint_path()
+        tmp = path.with_suffix(".tmp")
         torch.save({"model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
-                    "task": self.task.state_dict(), "rngs": rngs}, self._checkpoint_path())
+                    "task": self.task.state_dict(), "rngs": rngs}, tmp)
+        tmp.replace(path)
         if self.checkpointer is not None:
             self.checkpointer.save_checkpoint({"model": model}, epoch=self.step)
 
@@ -116,7 +121,7 @@ class GRPORecipe:
         path = self._checkpoint_path()
         if not path.is_file():
             raise FileNotFoundError(f"resume_from_checkpoint=true but {path} does not exist")
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, mmap=True)  # each rank maps, none copies
         if len(state["rngs"]) != self.world_size:
             raise ValueError(f"{path} was written by {len(state['rngs'])} rank(s); resume it "
                              f"with the same number, not {self.world_size}")
