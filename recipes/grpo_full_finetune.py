@@ -31,7 +31,8 @@ from torchtune.modules.common_utils import local_kv_cache
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import group_advantages, groups_with_signal, overlong_penalty
+from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
+                               peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -92,6 +93,11 @@ class GRPORecipe:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.resume_from_checkpoint:
             self._load_checkpoint()
+        # useful-FLOP MFU needs the GPU's peak: `peak_tflops` in the config, else a known GPU's
+        self.peak_tflops = cfg.get("peak_tflops") or peak_bf16_tflops(self.device)
+        if self.peak_tflops is None and self.device.type == "cuda" and self.rank == 0:
+            print(f"mfu_useful is not logged: the bf16 peak of {torch.cuda.get_device_name()} "
+                  "is not in dualkv_compile.rl.flops; set peak_tflops=<TFLOP/s>", flush=True)
         self.metric_logger = config.instantiate(cfg.metric_logger) if self.rank == 0 else None
         if self.metric_logger is not None:
             self.metric_logger.log_config(cfg)
@@ -292,9 +298,10 @@ class GRPORecipe:
         # (the step-1 loss is ~0 by construction: ratio 1 and zero-mean advantages per group)
         logprob_sum = (old * resp_mask).sum() / total_tokens
         (loss_sum, kl_sum, logprob_sum, reward_sum, n_groups, sampled_sum, n_sampled,
-         length_sum, replicated, packed_tokens) = ddp.all_sum(
+         length_sum, replicated, packed_tokens, flops) = ddp.all_sum(
             loss_sum, kl_sum, logprob_sum, rewards.sum(), rewards.shape[0], sampled.sum(),
-            sampled.numel(), lengths.sum(), packed.replicated_tokens, packed.num_tokens)
+            sampled.numel(), lengths.sum(), packed.replicated_tokens, packed.num_tokens,
+            policy_update_flops(self.model, packed))
         step_time, update_time, peak = ddp.all_max(t_end - t0, t_end - t_rollout,
                                                    _peak_memory_gib(self.device))
         # reward: over the groups trained on; sampled_reward: over every response sampled
@@ -305,7 +312,13 @@ class GRPORecipe:
                 "response_length": length_sum / total_rows,
                 "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,
                 "step_time_s": step_time, "policy_update_s": update_time,
-                "peak_memory_gib": peak}
+                "peak_memory_gib": peak, **self._mfu(flops, update_time)}
+
+    def _mfu(self, flops: float, seconds: float) -> dict:
+        """Useful-FLOP MFU of the policy update over all ranks (rl/flops.py says what counts)."""
+        if self.peak_tflops is None:
+            return {}
+        return {"mfu_useful": flops / (seconds * self.world_size * self.peak_tflops * 1e12)}
 
     def train(self):
         start = self.step

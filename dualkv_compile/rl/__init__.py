@@ -1,6 +1,7 @@
 """RL post-training pieces for the recipes: losses, advantages, tasks with verifiable rewards.
 Configs reference them by `_component_` path (e.g. dualkv_compile.rl.GRPOLoss)."""
 
+from .flops import forward_flops, peak_bf16_tflops, policy_update_flops
 from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
 from .math_task import MathJSONLTask, final_number
@@ -16,7 +17,10 @@ __all__ = [
     "MathJSONLTask",
     "RepeatLastLetterTask",
     "final_number",
+    "forward_flops",
     "group_advantages",
     "groups_with_signal",
     "overlong_penalty",
+    "peak_bf16_tflops",
+    "policy_update_flops",
 ]
