@@ -26,13 +26,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 from torchtune import config
-from torchtune.generation import generate
-from torchtune.modules.common_utils import local_kv_cache
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
-                               peak_bf16_tflops, policy_update_flops)
+from dualkv_compile.rl import (generate_groups, plan_calls, group_advantages, groups_with_signal,
+                               overlong_penalty, peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -142,24 +140,24 @@ class GRPORecipe:
     # ---- rollouts ----------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, prompts: torch.Tensor):
-        """prompts [G, P] -> tokens [G*N, P+T], padding mask, response lengths (eos included)."""
+        """prompts [G, P] -> tokens [G*N, P+T], padding mask, response lengths (eos included).
+        Each prompt is prefilled once for its N samples (dualkv_compile.rl.generate_groups)."""
         cfg, tok = self.cfg, self.tokenizer
-        batch = prompts.repeat_interleave(cfg.group_size, 0).to(self.device)
-        p, t = batch.shape[1], cfg.max_generated_tokens
-        # rows per generate() call: its prefill materialises [rows, P, vocab] float32 logits
-        chunk = cfg.get("rollout_batch_rows") or batch.shape[0]
-        response = torch.full((batch.shape[0], t), tok.pad_id, dtype=batch.dtype,
-                              device=batch.device)
-        starts = list(range(0, batch.shape[0], chunk))
+        prompts = prompts.to(self.device)
+        n = cfg.group_size
+        calls = plan_calls(prompts.shape[0], n, cfg.get("rollout_batch_rows"))
         self.model.eval()
+        parts = []
         # sharded, every decode step is a collective: all ranks make the same number of calls
-        for i in range(self._generate_calls(len(starts))):
-            if i < len(starts):
-                rows = batch[starts[i]:starts[i] + chunk]
-                response[starts[i]:starts[i] + chunk] = self._generate(rows)[:, p:]
+        for i in range(self._generate_calls(len(calls))):
+            if i < len(calls):
+                first, count, samples = calls[i]
+                parts.append(self._generate(prompts[first:first + count], samples))
             else:
-                self._generate(batch[:1])  # keeps step with a rank that has more rows
+                self._generate(prompts[:1], 1)  # keeps step with a rank that has more calls
         self.model.train()
+        response = torch.cat(parts)
+        batch = prompts.repeat_interleave(n, 0)
         is_eos = response == tok.eos_id
         # valid: everything up to and including the first eos
         before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0
@@ -168,33 +166,28 @@ class GRPORecipe:
         mask = torch.cat([batch != tok.pad_id, before_eos], 1)  # prompts may be left-padded
         return torch.where(mask, tokens, tok.pad_id), mask, lengths
 
-    def _generate(self, rows: torch.Tensor) -> torch.Tensor:
-        """One KV-cached generate() call: rows [B, P] -> [B, P + max_generated_tokens]. Sharded,
-        it decodes all steps (no early stop at eos), as every step is a collective."""
+    def _generate(self, prompts: torch.Tensor, samples: int) -> torch.Tensor:
+        """`samples` responses [G * samples, T] for each of prompts [G, P]. Sharded, it decodes
+        all steps (no early stop at eos), as every step is a collective."""
         cfg, tok = self.cfg, self.tokenizer
-        t = cfg.max_generated_tokens
-        stop = [tok.eos_id] if self.world_size == 1 else None
-        with local_kv_cache(self.model, batch_size=rows.shape[0], device=self.device,
-                            dtype=self.dtype, decoder_max_seq_len=rows.shape[1] + t):
-            out, _ = generate(self.model, rows, max_generated_tokens=t, pad_id=tok.pad_id,
-                              temperature=cfg.temperature, top_k=cfg.top_k, stop_tokens=stop,
-                              rng=self.rng)
-        # an early stop leaves fewer columns: pad to the full width
-        return torch.nn.functional.pad(out, (0, rows.shape[1] + t - out.shape[1]),
-                                       value=tok.pad_id)
+        return generate_groups(self.model, prompts, samples=samples,
+                               max_generated_tokens=cfg.max_generated_tokens, pad_id=tok.pad_id,
+                               temperature=cfg.temperature, top_k=cfg.top_k,
+                               stop_token=tok.eos_id if self.world_size == 1 else None,
+                               rng=self.rng, dtype=self.dtype)
 
     def _generate_calls(self, mine: int) -> int:
         return mine if self.world_size == 1 else int(ddp.all_max(mine)[0])
 
     def idle_rollout(self):
-        """A sharded rank with no rows this round still joins the others' generate() calls."""
+        """A sharded rank with no rows this round still joins the others' generate calls."""
         calls = self._generate_calls(0)
         if calls:
             self.model.eval()
             prompt = torch.full((1, 1), self.tokenizer.eos_id, dtype=torch.long,
                                 device=self.device)
             for _ in range(calls):
-                self._generate(prompt)
+                self._generate(prompt, 1)
             self.model.train()
 
     def _sample_prompts(self, need: int):

@@ -5,6 +5,7 @@ from .flops import forward_flops, peak_bf16_tflops, policy_update_flops
 from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
 from .math_task import MathJSONLTask, final_number
+from .rollout import generate_groups, plan_calls
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
 
@@ -18,9 +19,11 @@ __all__ = [
     "RepeatLastLetterTask",
     "final_number",
     "forward_flops",
+    "generate_groups",
     "group_advantages",
     "groups_with_signal",
     "overlong_penalty",
     "peak_bf16_tflops",
+    "plan_calls",
     "policy_update_flops",
 ]
