@@ -79,12 +79,17 @@ SHRUNK_1_7B = ["device=cpu", "dtype=fp32", "group_size=3", "max_generated_tokens
                "model.max_seq_len=64"]
 
 
-def test_two_gpu_config_shrunk_runs_both_ways(tmp_path):
-    """recipes/configs/qwen3_1_7b_shaped_fsdp.yaml (the 2-GPU run) at CPU size: same
+@pytest.mark.parametrize("config,extra", [
+    ("qwen3_1_7b_shaped_fsdp.yaml", []),
+    # the 8-GPU config: 2 groups a rank in one micro-batch, each group's 3 samples decoded 2 + 1
+    ("qwen3_8b_shaped_8gpu.yaml", ["groups_per_step=4", "micro_batch_groups=2",
+                                   "rollout_batch_rows=2"]),
+])
+def test_multi_gpu_configs_shrunk_run_both_ways(tmp_path, config, extra):
+    """The 2-GPU (issue #5) and 8-GPU (issue #7) configs at CPU size on 2 processes: same
     components, checkpointing and sharding; dualkv on and off agree."""
-    on = tune_run(tmp_path / "on", *SHRUNK_1_7B, config="qwen3_1_7b_shaped_fsdp.yaml")
-    off = tune_run(tmp_path / "off", *SHRUNK_1_7B, "dualkv.enabled=false",
-                   config="qwen3_1_7b_shaped_fsdp.yaml")
+    on = tune_run(tmp_path / "on", *SHRUNK_1_7B, *extra, config=config)
+    off = tune_run(tmp_path / "off", *SHRUNK_1_7B, *extra, "dualkv.enabled=false", config=config)
     assert [r["step"] for r in on] == [1, 2] == [r["step"] for r in off]
     for a, b in zip(on, off):
         for key in ("loss", "kl", "grad_norm", "response_logprob"):
