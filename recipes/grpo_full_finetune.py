@@ -190,7 +190,7 @@ class GRPORecipe:
         calls = self._generate_calls(0)
         if calls:
             self.model.eval()
-            prompt = torch.full((1, 1), self.tokenizer.eos_id, dtype=torch.long,
+            prompt = torch.full((1, 1), self.tokenizer.pad_id, dtype=torch.long,
                                 device=self.device)
             with self._gathered():
                 for _ in range(calls):

@@ -1,9 +1,11 @@
 """A task for timing GRPO steps at real shapes with random weights: prompts of random token ids
 of a fixed length, a tokenizer that is only ids, and a cheap verifiable reward.
 
-A random-weight model emits an end-of-sequence token with probability about 1/vocab per step,
-so responses run to `max_generated_tokens`: the step has the shape the config names (N samples
-of R tokens on P-token prompts).
+With `IdTokenizer(..., eos=False)` no token ends a response, so every response runs to
+`max_generated_tokens` and each step has the shape the config names (N samples of R tokens on
+P-token prompts). With an end-of-sequence token, a random model does sample it now and then
+(seen on an H100: a step's mean response length 929 of 1024), the packed length changes, and
+the step lands in a new length bucket and recompiles, which spoils a timing.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ __all__ = ["IdTokenizer", "EvenTokensTask"]
 
 
 class IdTokenizer:
-    """Token ids without text: pad 0, eos 1, bos 2; ids 3.. are ordinary tokens."""
+    """Token ids without text: pad 0, eos 1, bos 2; ids 3.. are ordinary tokens. With
+    eos=False, eos_id is -1, an id no model samples: responses never end early."""
 
-    pad_id, eos_id, bos_id = 0, 1, 2
+    pad_id, bos_id = 0, 2
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, eos: bool = True):
         if vocab_size < 4:
             raise ValueError(f"vocab_size={vocab_size} must be at least 4 (pad, eos, bos, one more)")
         self.vocab_size = vocab_size
+        self.eos_id = 1 if eos else -1
 
     def decode(self, ids) -> str:
         return " ".join(str(i) for i in ids)
