@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .attention_backend import ATTENTION_BACKENDS
 from .kernel_options import validate_kernel_options
+from .packing import check_bucket_growth
 
 __all__ = ["DualKVConfig"]
 
@@ -23,6 +24,9 @@ class DualKVConfig:
     enabled: False runs the plain model on the replicated batch (the baseline).
     pad_to: the packed length T is rounded up to a multiple of this (one compile per bucket);
         a multiple of 128, the FlexAttention block size.
+    bucket_growth: 1 keeps every multiple of pad_to as a bucket; above 1, buckets grow
+        geometrically by this factor (packing.bucket_length), which bounds the compiles when
+        lengths vary widely (1.1: about 7 buckets per doubling of T, <= 10% padding).
     attention_backend: the CUDA attention kernel: "auto" (FLASH where flash-attn-4 imports on
         sm_90/sm_100, else Triton, logged once), "flash" (raises where it cannot run) or
         "triton".
@@ -47,6 +51,7 @@ class DualKVConfig:
     version: int = 1
     enabled: bool = True
     pad_to: int = 128
+    bucket_growth: float = 1.0
     attention_backend: str = "auto"
     kernel_options: dict = field(default_factory=dict)
     backend: str = "auto"
@@ -62,6 +67,7 @@ class DualKVConfig:
             raise ValueError(f"enabled={self.enabled!r} must be a bool")
         if not isinstance(self.pad_to, int) or self.pad_to < 128 or self.pad_to % 128:
             raise ValueError(f"pad_to={self.pad_to!r} must be a positive multiple of 128")
+        check_bucket_growth(self.bucket_growth)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              f"{ATTENTION_BACKENDS}")

@@ -177,7 +177,7 @@ class DualKVModel(nn.Module):
     # ---- inputs ---------------------------------------------------------------------------
     def _pack(self, tokens: Tensor, prompt_len: int, padding_mask: Tensor | None) -> PackedBatch:
         return pack(tokens, prompt_len=prompt_len, padding_mask=padding_mask,
-                    pad_to=self.config.pad_to)
+                    pad_to=self.config.pad_to, bucket_growth=self.config.bucket_growth)
 
     @staticmethod
     def _row_positions(padding_mask: Tensor) -> Tensor:

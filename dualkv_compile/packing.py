@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "pack"]
+__all__ = ["PackedBatch", "bucket_length", "pack"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,12 +189,13 @@ def pack(
     padding_mask: Tensor | None = None,
     group_size: int | None = None,
     pad_to: int = 128,
+    bucket_growth: float = 1.0,
 ) -> PackedBatch:
     """Pack `tokens [B, L]` (prompt in columns [0, prompt_len), response after) into one
     shared-prefix sequence. `padding_mask [B, L]` (True = real token) marks left or right padding
     of prompts and right padding of responses. Rows with identical valid prompts form a group;
-    `group_size`, when given, is checked against the data. The packed length is rounded up to a
-    multiple of `pad_to`."""
+    `group_size`, when given, is checked against the data. The packed length is
+    `bucket_length(valid tokens, pad_to, bucket_growth)`."""
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
         raise ValueError(
             f"tokens must be an integer tensor [B, L], got "
@@ -208,6 +209,7 @@ def pack(
         raise ValueError(f"prompt_len={prompt_len!r} is outside [1, L={l}]")
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to={pad_to!r} must be a positive int")
+    check_bucket_growth(bucket_growth)
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size={group_size!r} must be a positive int or None")
     if padding_mask is None:
@@ -243,10 +245,33 @@ def pack(
         raise ValueError(
             f"group_size={group_size} but the prompts form groups of sizes {sizes.tolist()}"
         )
-    return _build(tokens, padding_mask, prompt_len, pad_to, group_of_row, p_first, p_len, r_len)
+    return _build(tokens, padding_mask, prompt_len, (pad_to, bucket_growth), group_of_row, p_first,
+                  p_len, r_len)
 
 
-def _build(tokens, mask, prompt_len, pad_to, group_of_row, p_first, p_len, r_len) -> PackedBatch:
+def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> int:
+    """The packed length T for `num_tokens` valid tokens, one compile per distinct T. With
+    growth 1: the next multiple of `pad_to`. With growth > 1: the next length of the series
+    pad_to, b1, b2, ... where each is the smallest multiple of pad_to at least `growth` times
+    the one before; lengths between T_min and T_max then meet about
+    log(T_max / T_min) / log(growth) buckets, at the cost of up to (growth - 1) x T padding."""
+    check_bucket_growth(growth)
+    t = max(math.ceil(num_tokens / pad_to), 1) * pad_to
+    if growth == 1.0:
+        return t
+    b = pad_to
+    while b < t:
+        b = max(b + pad_to, math.ceil(b * growth / pad_to) * pad_to)
+    return b
+
+
+def check_bucket_growth(growth) -> None:
+    """Raise ValueError unless `growth` is a number in [1, 4]."""
+    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 <= growth <= 4:
+        raise ValueError(f"bucket_growth={growth!r} must be a number in [1, 4]")
+
+
+def _build(tokens, mask, prompt_len, bucketing, group_of_row, p_first, p_len, r_len) -> PackedBatch:
     b, l = tokens.shape
     dev = tokens.device
     groups = group_of_row.tolist()
@@ -277,7 +302,7 @@ def _build(tokens, mask, prompt_len, pad_to, group_of_row, p_first, p_len, r_len
             cursor += r_len_l[row]
         group_spans.append((ps, ps + p, tuple(responses)))
     num_tokens = cursor
-    seq_len = math.ceil(num_tokens / pad_to) * pad_to
+    seq_len = bucket_length(num_tokens, *bucketing)
     num_pad = seq_len - num_tokens
     num_segs = len(seg_row)
 

@@ -81,7 +81,8 @@ class GRPORecipe:
         ddp.shard_decoder(self.model, reshard_after_forward=reshard)
         ddp.shard_decoder(self.ref_model, reshard_after_forward=reshard)
         dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback,
-                               attention_backend=cfg.dualkv.get("attention_backend", "auto"))
+                               attention_backend=cfg.dualkv.get("attention_backend", "auto"),
+                               bucket_growth=float(cfg.dualkv.get("bucket_growth", 1.0)))
         self.policy = dk.optimize(self.model, dcfg)
         self.reference = dk.optimize(self.ref_model, dcfg)
         self.loss_fn = config.instantiate(cfg.loss)

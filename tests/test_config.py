@@ -21,6 +21,8 @@ def test_frozen():
     ({"version": 2}, "version=2"),
     ({"enabled": 1}, "enabled=1 must be a bool"),
     ({"pad_to": 100}, "pad_to=100 must be a positive multiple of 128"),
+    ({"bucket_growth": 0.9}, "bucket_growth=0.9 must be a number in"),
+    ({"bucket_growth": True}, "bucket_growth=True must be a number in"),
     ({"backend": "tvm"}, "backend='tvm' is not one of"),
     ({"attention_backend": "cudnn"}, "attention_backend='cudnn' is not one of"),
     ({"fallback": "ignore"}, "fallback='ignore' is not one of"),

@@ -207,6 +207,26 @@ def test_one_compile_per_length_bucket():
     assert dk.counters["graphs_compiled"] == 2  # T=128 twice, T=256 twice
 
 
+def test_geometric_buckets_bound_the_compiles():
+    """bucket_growth=2: packed lengths 256..1024 share the buckets 256, 512, 1024 (pad_to 128
+    alone would make 7), and the logprobs do not depend on the bucket."""
+    model = same_dtype_numerics(tiny_model("qwen2_5", max_seq_len=1024)).double()
+    grown = dk.optimize(model, dk.DualKVConfig(bucket_growth=2.0))
+    plain = dk.optimize(model)
+    g = torch.Generator().manual_seed(5)
+    lengths = [200, 300, 420, 560, 700, 830, 950]  # packed T: 2..8 blocks of 128 with pad_to
+    dk.counters.clear()
+    for n in lengths:
+        tokens, mask, p = make_batch([20], [[n // 2, n - n // 2 - 20]], vocab=99, generator=g)
+        ours = grown.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        ref = row_by_row_response_logprobs(model, tokens, mask, p)
+        assert rel_err(ours, ref) < 1e-10
+    assert dk.counters["graphs_compiled"] == 3
+    assert {dk.pack(make_batch([20], [[n // 2, n - n // 2 - 20]], vocab=99)[0], prompt_len=20,
+                    bucket_growth=2.0).seq_len for n in lengths} == {256, 512, 1024}
+    assert plain.config.bucket_growth == 1.0
+
+
 def test_forward_accepts_the_models_own_arguments():
     model = same_dtype_numerics(tiny_model("hf_llama")).double()
     tokens, mask, p = batch()

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from dualkv_compile import pack
+from dualkv_compile.packing import bucket_length
 from dualkv_compile.testing import make_batch
 
 
@@ -115,6 +116,23 @@ def test_pad_to():
     assert pack(tokens, prompt_len=p, padding_mask=mask, pad_to=1).seq_len == 5
     assert pack(tokens, prompt_len=p, padding_mask=mask, pad_to=4).seq_len == 8
     assert pack(tokens, prompt_len=p, padding_mask=mask).seq_len == 128
+
+
+def test_geometric_buckets():
+    assert [bucket_length(n) for n in (1, 128, 129, 1000)] == [128, 128, 256, 1024]
+    lengths = range(1000, 64001, 7)
+    for growth in (1.1, 1.5):
+        buckets = sorted({bucket_length(n, 128, growth) for n in lengths})
+        assert all(b % 128 == 0 for b in buckets)
+        # padding: at most about (growth - 1) x T, plus the rounding to blocks
+        assert all(n <= bucket_length(n, 128, growth) <= (n + 128) * growth + 128
+                   for n in lengths)
+        assert all(b2 >= b1 * growth for b1, b2 in zip(buckets, buckets[1:]))
+    assert len({bucket_length(n, 128, 1.1) for n in lengths}) == 41  # 493 multiples of 128
+    tokens, mask, p = make_batch([30], [[100, 200]])
+    assert pack(tokens, prompt_len=p, padding_mask=mask, bucket_growth=2.0).seq_len == 512
+    with pytest.raises(ValueError, match="bucket_growth=5"):
+        pack(tokens, prompt_len=p, padding_mask=mask, bucket_growth=5)
 
 
 @pytest.mark.parametrize("prompt_len", [0, 7, -1])
