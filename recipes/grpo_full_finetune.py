@@ -150,13 +150,12 @@ class GRPORecipe:
         self.model.eval()
         parts = []
         # sharded, every decode step is a collective: all ranks make the same number of calls
-        with self._gathered():
-            for i in range(self._generate_calls(len(calls))):
-                if i < len(calls):
-                    first, count, samples = calls[i]
-                    parts.append(self._generate(prompts[first:first + count], samples))
-                else:
-                    self._generate(prompts[:1], 1)  # keeps step with a rank that has more calls
+        for i in range(self._generate_calls(len(calls))):
+            if i < len(calls):
+                first, count, samples = calls[i]
+                parts.append(self._generate(prompts[first:first + count], samples))
+            else:
+                self._generate(prompts[:1], 1)  # keeps step with a rank that has more calls
         self.model.train()
         response = torch.cat(parts)
         batch = prompts.repeat_interleave(n, 0)
@@ -178,11 +177,6 @@ class GRPORecipe:
                                stop_token=tok.eos_id if self.world_size == 1 else None,
                                rng=self.rng, dtype=self.dtype)
 
-    def _gathered(self):
-        """Sharded: the policy's parameters stay gathered for the whole rollout."""
-        reshard = bool(self.cfg.get("fsdp_reshard_after_forward", True))
-        return ddp.gathered(self.model, reshard_after_forward=reshard)
-
     def _generate_calls(self, mine: int) -> int:
         return mine if self.world_size == 1 else int(ddp.all_max(mine)[0])
 
@@ -193,9 +187,8 @@ class GRPORecipe:
             self.model.eval()
             prompt = torch.full((1, 1), self.tokenizer.pad_id, dtype=torch.long,
                                 device=self.device)
-            with self._gathered():
-                for _ in range(calls):
-                    self._generate(prompt, 1)
+            for _ in range(calls):
+                self._generate(prompt, 1)
             self.model.train()
 
     def _sample_prompts(self, need: int):

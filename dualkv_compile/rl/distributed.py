@@ -4,14 +4,13 @@ collectives are no-ops, so the recipe has one code path."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["init_distributed", "shard_decoder", "gathered", "world", "all_sum", "all_max",
+__all__ = ["init_distributed", "shard_decoder", "world", "all_sum", "all_max",
            "full_state_dicts", "load_full_state_dicts", "gather_objects"]
 
 
@@ -50,28 +49,6 @@ def shard_decoder(model: nn.Module, *, reshard_after_forward: bool = True) -> nn
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     return model
-
-
-@contextlib.contextmanager
-def gathered(model: nn.Module, *, reshard_after_forward: bool = True):
-    """Within the block, a model sharded by shard_decoder keeps its parameters gathered after
-    each forward, so that generation all-gathers each layer once instead of once per decode
-    step; on exit every FSDP unit reshards and the layers get `reshard_after_forward` back
-    (what shard_decoder was given). A no-op for an unsharded model."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        yield model
-        return
-    model.set_reshard_after_forward(False)
-    try:
-        yield model
-    finally:
-        for layer in model.layers:
-            layer.set_reshard_after_forward(reshard_after_forward, recurse=False)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
 
 
 def _reduce(values, op: str) -> list[float]:
