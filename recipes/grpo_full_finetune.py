@@ -18,6 +18,7 @@ optimize() drives the FSDP hooks layer by layer (compile_region "auto" -> "layer
 from __future__ import annotations
 
 import copy
+import gc
 import resource
 import sys
 import time
@@ -334,6 +335,12 @@ class GRPORecipe:
         if self.metric_logger is not None:
             self.metric_logger.close()
         if self.world_size > 1:
+            # no rank may still hold collective work (or tensors it references) when the process
+            # group goes: gloo aborted at interpreter exit now and then without this
+            torch.distributed.barrier()
+            for name in ("policy", "reference", "model", "ref_model", "optimizer"):
+                setattr(self, name, None)
+            gc.collect()
             torch.distributed.destroy_process_group()
 
 
