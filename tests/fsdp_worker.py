@@ -2,6 +2,7 @@
 torchtune decoders, fp64, against the unsharded model row by row. Prints one JSON line per case
 on rank 0."""
 
+import gc
 import json
 
 import torch
@@ -81,6 +82,8 @@ def main():
     if dist.get_rank() == 0:
         for case in cases:
             print("CASE " + json.dumps(case), flush=True)
+    dist.barrier()  # as the recipe does: no collective work left when the group goes
+    gc.collect()
     dist.destroy_process_group()
 
 
