@@ -148,16 +148,7 @@ class GRPORecipe:
         prompts = prompts.to(self.device)
         n = cfg.group_size
         calls = plan_calls(prompts.shape[0], n, cfg.get("rollout_batch_rows"))
-        self.model.eval()
-        parts = []
-        # sharded, every decode step is a collective: all ranks make the same number of calls
-        for i in range(self._generate_calls(len(calls))):
-            if i < len(calls):
-                first, count, samples = calls[i]
-                parts.append(self._generate(prompts[first:first + count], samples))
-            else:
-                self._generate(prompts[:1], 1)  # keeps step with a rank that has more calls
-        self.model.train()
+        parts = self._generate_all(prompts, calls)
         response = torch.cat(parts)
         batch = prompts.repeat_interleave(n, 0)
         is_eos = response == tok.eos_id
@@ -178,19 +169,28 @@ class GRPORecipe:
                                stop_token=tok.eos_id if self.world_size == 1 else None,
                                rng=self.rng, dtype=self.dtype)
 
-    def _generate_calls(self, mine: int) -> int:
-        return mine if self.world_size == 1 else int(ddp.all_max(mine)[0])
+    @torch.no_grad()
+    def _generate_all(self, prompts: torch.Tensor, calls: list) -> list[torch.Tensor]:
+        """The responses of each planned call (rl.plan_calls). Sharded, every decode step is a
+        collective, so a rank with fewer calls (or none) makes throwaway ones to keep step."""
+        mine = len(calls)
+        total = mine if self.world_size == 1 else int(ddp.all_max(mine)[0])
+        filler = prompts[:1] if len(prompts) else torch.full(
+            (1, 1), self.tokenizer.pad_id, dtype=torch.long, device=self.device)
+        parts = []
+        self.model.eval()
+        for i in range(total):
+            if i < mine:
+                first, count, samples = calls[i]
+                parts.append(self._generate(prompts[first:first + count], samples))
+            else:
+                self._generate(filler, 1)
+        self.model.train()
+        return parts
 
     def idle_rollout(self):
         """A sharded rank with no rows this round still joins the others' generate calls."""
-        calls = self._generate_calls(0)
-        if calls:
-            self.model.eval()
-            prompt = torch.full((1, 1), self.tokenizer.pad_id, dtype=torch.long,
-                                device=self.device)
-            for _ in range(calls):
-                self._generate(prompt, 1)
-            self.model.train()
+        self._generate_all(torch.zeros(0, 1, dtype=torch.long, device=self.device), [])
 
     def _sample_prompts(self, need: int):
         """This rank's `need` prompts. Every rank draws all ranks' prompts from the task (so
