@@ -21,6 +21,7 @@ from .kernel_options import kernel_options_for
 from .packing import PackedBatch
 from .recompiles import bounded_recompiles
 from .reference import reference_shared_prefix_attention
+from .regions import two_region_attention
 
 __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
 
@@ -94,9 +95,15 @@ def shared_prefix_attention(
     keys of its own segment and, for response tokens, its group's whole prompt. `scale`
     defaults to 1/sqrt(D). `attention_backend` ("auto", "flash", "triton") picks the CUDA
     kernel (see attention_backend.py); `kernel_options` override the architecture's table entry
-    (CUDA only; validated, unknown keys raise).
+    (CUDA only; validated, unknown keys raise). "regions" runs dense kernels over the two KV
+    regions instead of flex (regions.py; cuDNN on CUDA, on any device).
     """
     _check(q, k, v, packed)
+    if attention_backend == "regions":
+        if kernel_options:
+            raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
+                             f"attention_backend='regions' does not use it")
+        return two_region_attention(q, k, v, packed, scale=scale)
     if q.device.type == "cuda":
         return _flex_attention(q, k, v, packed, scale, kernel_options,
                                attention_backend=attention_backend)

@@ -28,10 +28,16 @@ def response_lengths(kind, groups, group_size, g):
     return [torch.randint(0, 40, (group_size,), generator=g).tolist() for _ in range(groups)]
 
 
-def check_equivalence(tokens, mask, prompt_len, hq, hkv, d, g, scale=None):
+# "auto" is the SDPA reference on CPU; "regions" is the two-KV-region backend (regions.py) with
+# PyTorch's CPU flash kernel, the same merge and backward code that runs cuDNN on CUDA.
+BACKENDS = ["auto", "regions"]
+
+
+def check_equivalence(tokens, mask, prompt_len, hq, hkv, d, g, scale=None, backend="auto"):
     pb = pack(tokens, prompt_len=prompt_len, padding_mask=mask)
     q, k, v, cot = random_qkv(pb, hq, hkv, d, dtype=torch.float64, device="cpu", generator=g)
-    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot, scale=scale)
+    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot, scale=scale,
+                                   attention_backend=backend)
     ref = replicated_forward_backward(q, k, v, pb, mask, cot, scale=scale)
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert a.shape == b.shape, name
@@ -46,21 +52,24 @@ def check_equivalence(tokens, mask, prompt_len, hq, hkv, d, g, scale=None):
 @pytest.mark.parametrize("prompt", [1, 7, 129])
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("group_size", [1, 2, 5])
-def test_matches_replicated_causal_sdpa(group_size, groups, prompt, responses, hq, hkv, d):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_replicated_causal_sdpa(group_size, groups, prompt, responses, hq, hkv, d,
+                                        backend):
     seed = zlib.crc32(repr((group_size, groups, prompt, responses, hq, hkv, d)).encode())
     g = torch.Generator().manual_seed(seed)
     # groups differ in prompt length too (prompt, prompt - 1, ...), left-padded
     prompts = [max(1, prompt - i) for i in range(groups)]
     tokens, mask, p = make_batch(prompts, response_lengths(responses, groups, group_size, g),
                                  shuffle=True, generator=g)
-    pb = check_equivalence(tokens, mask, p, hq, hkv, d, g)
+    pb = check_equivalence(tokens, mask, p, hq, hkv, d, g, backend=backend)
     assert pb.num_groups == groups
 
 
-def test_custom_scale_and_right_padded_prompts():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_scale_and_right_padded_prompts(backend):
     g = torch.Generator().manual_seed(7)
     tokens, mask, p = make_batch([5, 12], [[3, 9], [4]], pad_side="right", generator=g)
-    check_equivalence(tokens, mask, p, 4, 2, 8, g, scale=0.3)
+    check_equivalence(tokens, mask, p, 4, 2, 8, g, scale=0.3, backend=backend)
 
 
 @settings(max_examples=40, deadline=None)
@@ -73,20 +82,23 @@ def test_custom_scale_and_right_padded_prompts():
     pad_side=st.sampled_from(["left", "right"]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_random_layouts(layout, heads, pad_side, seed):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_layouts(layout, heads, pad_side, seed, backend):
     g = torch.Generator().manual_seed(seed)
     tokens, mask, p = make_batch([pl for pl, _ in layout], [rs for _, rs in layout],
                                  pad_side=pad_side, shuffle=True, generator=g)
-    check_equivalence(tokens, mask, p, heads[0], heads[1], 8, g)
+    check_equivalence(tokens, mask, p, heads[0], heads[1], 8, g, backend=backend)
 
 
-def test_padding_positions_are_finite_and_get_no_gradient():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_positions_are_finite_and_get_no_gradient(backend):
     g = torch.Generator().manual_seed(8)
     tokens, mask, p = make_batch([3], [[2, 2]], generator=g)
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
     q, k, v, cot = random_qkv(pb, 2, 2, 4, dtype=torch.float64, device="cpu", generator=g)
-    out, dq, dk, dv = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot)
-    full = shared_prefix_attention(q, k, v, pb)
+    out, dq, dk, dv = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
+                                              attention_backend=backend)
+    full = shared_prefix_attention(q, k, v, pb, attention_backend=backend)
     assert torch.isfinite(full).all()
     for grad in (dq, dk, dv):
         assert grad[:, :, pb.num_tokens:].abs().sum() == 0
@@ -106,3 +118,43 @@ def test_shape_errors_name_the_shapes():
         shared_prefix_attention(q, q, q, tokens)
     with pytest.raises(ValueError, match="CUDA kernel only"):
         shared_prefix_attention(q, q, q, pb, kernel_options={"BLOCK_M": 64})
+    with pytest.raises(ValueError, match="does not use it"):
+        shared_prefix_attention(q, q, q, pb, kernel_options={"BLOCK_M": 64},
+                                attention_backend="regions")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_regions_math_kernel_is_exact(monkeypatch, seed):
+    """The explicit math kernel that runs tiny regions on CUDA (cuDNN refuses 1x1), run here
+    for every region: fp64 against the replicated batch."""
+    from dualkv_compile import regions
+
+    calls = []
+
+    def math_kernels(q):
+        calls.append(q.shape)
+        return regions._math_forward, regions._math_backward
+
+    monkeypatch.setattr(regions, "_kernels", math_kernels)
+    g = torch.Generator().manual_seed(seed)
+    tokens, mask, p = make_batch([1, 9, 30], [[1, 0, 5], [17], [2, 40, 1]], shuffle=True,
+                                 generator=g)
+    check_equivalence(tokens, mask, p, 6, 2, 8, g, backend="regions")
+    assert len(calls) == 2  # forward and backward both ran on the math kernel
+
+
+def test_regions_bf16_error_is_that_of_dense_bf16():
+    """The region merge adds one bf16 rounding per partial output; the CPU bf16 result stays
+    within 2x of what dense bf16 SDPA on the replicated rows shows against fp32 (the GPU
+    criterion)."""
+    g = torch.Generator().manual_seed(11)
+    tokens, mask, p = make_batch([70, 33], [[50, 3, 64], [90, 1]], shuffle=True, generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 4, 2, 32, dtype=torch.bfloat16, device="cpu", generator=g)
+    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
+                                   attention_backend="regions")
+    dense = replicated_forward_backward(q, k, v, pb, mask, cot)
+    ref = replicated_forward_backward(q.double(), k.double(), v.double(), pb, mask, cot)
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, dense, ref):
+        assert a.dtype == torch.bfloat16, name
+        assert rel_err(a, r) <= 2 * rel_err(b, r), (name, rel_err(a, r), rel_err(b, r))

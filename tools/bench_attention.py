@@ -57,6 +57,28 @@ def dense_variant(backend, q, k, v, gout):
     raise RuntimeError(f"SDPA backend {backend} cannot run this shape: {last}")
 
 
+def region_floor(n, p, r, hq, hkv, d):
+    """fwd+bwd of the three cuDNN calls the regions backend makes for one group, on tensors of
+    their own: the prompt causally, N responses of R causally, N*R response tokens against the
+    prompt. No merge, no copies: the floor the regions backend can reach with cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def qkvg(batch, lq, lk):
+        x = [torch.randn(batch, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+             for h, t in ((hq, lq), (hkv, lk), (hkv, lk))]
+        return x + [torch.randn(batch, hq, lq, d, device="cuda", dtype=torch.bfloat16)]
+
+    calls = [(qkvg(1, p, p), True), (qkvg(n, r, r), True), (qkvg(1, n * r, p), False)]
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            for (q, k, v, g), causal in calls:
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                               enable_gqa=True).backward(g)
+    run()
+    return run, [x for (q, k, v, _), _ in calls for x in (q, k, v)]
+
+
 def ours_backends(requested: list[str], head_dim: int) -> list[str]:
     """The packed-op backends to time: each requested one that can run here."""
     from dualkv_compile.attention_backend import flash_status
@@ -137,6 +159,14 @@ def run_shape(n, p, r, hq, hkv, d, args):
         row[name] = {"first_call_s": time.perf_counter() - t3}
         variants[name], pairs[name] = (fn, [qp, kp, vp]), packed_pairs
 
+    if "regions" in args.backends:
+        try:
+            variants["cudnn_region_floor"] = region_floor(n, p, r, hq, hkv, d)
+            pairs["cudnn_region_floor"] = packed_pairs
+            row["cudnn_region_floor"] = {}
+        except torch.OutOfMemoryError:
+            row["cudnn_region_floor"] = {"ms": None, "error": "OOM"}
+
     try:
         medians = interleaved_medians(variants, rounds=args.rounds, warmup_ms=args.warmup_ms,
                                       rep_ms=args.rep_ms)
@@ -147,8 +177,8 @@ def run_shape(n, p, r, hq, hkv, d, args):
         row[name].update(ms=ms, tflops=pairs[name] * flop_per_pair / ms / 1e9)
     dense_ms = [row[f"dense_{b}"].get("ms") for b in ("flash", "cudnn")]
     dense_ms = [x for x in dense_ms if x]
-    for name, _ in ours:
-        if dense_ms:
+    for name in [o for o, _ in ours] + ["cudnn_region_floor"]:
+        if dense_ms and row.get(name, {}).get("ms"):
             row[name]["speedup_vs_best_dense"] = min(dense_ms) / row[name]["ms"]
             row[name]["speedup_over_ideal"] = row[name]["speedup_vs_best_dense"] / pb.pair_reduction
     return row
@@ -170,6 +200,9 @@ def markdown(meta, rows) -> str:
     cols = ["N", "P", "R", "packed tokens", "flash ms", "cuDNN ms"]
     for o in ours:
         cols += [f"{o} ms", f"{o} x", f"{o} x/ideal", f"{o} compile s"]
+    floor = bool(rows) and "cudnn_region_floor" in rows[0]
+    if floor:
+        cols += ["cuDNN region floor ms", "floor x/ideal"]
     cols += ["ideal", "mask build ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -179,6 +212,9 @@ def markdown(meta, rows) -> str:
             x = r.get(o, {})
             cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_vs_best_dense"), ".2f"),
                       fmt(x.get("speedup_over_ideal"), ".2f"), fmt(x.get("first_call_s"), ".1f")]
+        if floor:
+            x = r.get("cudnn_region_floor", {})
+            cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_over_ideal"), ".2f")]
         cells += [f"{r['pair_reduction']:.2f}x", f"{r['block_mask_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
@@ -193,9 +229,10 @@ def main(argv=None):
     ap.add_argument("--warmup-ms", type=int, default=100)
     ap.add_argument("--rep-ms", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    ap.add_argument("--backends", nargs="+", choices=["triton", "flash"],
-                    default=["triton", "flash"],
-                    help="packed-op backends to time (flash where flash-attn-4 runs)")
+    ap.add_argument("--backends", nargs="+", choices=["triton", "flash", "regions"],
+                    default=["triton", "flash", "regions"],
+                    help="packed-op backends to time (flash where flash-attn-4 runs; regions: "
+                         "cuDNN over the two KV regions)")
     ap.add_argument("--dynamic", action="store_true",
                     help="also time the Triton op compiled with a symbolic T")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")

@@ -1,0 +1,305 @@
+"""Two-KV-region attention: the shared-prefix layout as dense attention kernels over its regions.
+
+A response query of the packed layout sees two key regions: its group's whole prompt, and its
+own response up to itself. This backend runs each region as one dense call of an existing
+attention kernel (cuDNN on CUDA, PyTorch's CPU flash kernel elsewhere) and merges the two
+partial softmaxes of a response row by their log-sum-exp:
+
+    lse = logaddexp(lse_prompt, lse_own)
+    out = exp(lse_prompt - lse) * out_prompt + exp(lse_own - lse) * out_own
+
+Backward calls each region's backward kernel with the merged `out` and `lse`. That is the exact
+gradient of the merged softmax: the kernels rebuild P = exp(S - lse) and D = rowsum(dO * out)
+from them, and both are those of the whole row. Per group the calls are: the prompt causally on
+itself; the group's responses (a contiguous run of tokens) against the prompt, not causal; the
+responses as a right-padded batch [n, H, R_max, D], causal. Right padding never reaches a valid
+row under a causal mask, and padded rows get dO = 0 and lse = +inf in backward, so they add
+nothing. Every pair computed is one the replicated causal batch needs once (plus the padding of
+ragged responses in the own region), so the work is the ideal pair count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .packing import PackedBatch
+
+__all__ = ["two_region_attention", "region_kernel_name"]
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+# ---- the dense kernels: forward -> (out, lse [B, H, L], aux); backward with a given out, lse ---
+
+def _cpu_forward(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+    return out, lse, lse.dtype
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(aux), 0.0, causal, scale=scale)
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    # q/k/v go in strided (slices and views of the packed tensors); cuDNN takes the strides
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]
+    # aux: what the backward kernel takes besides the tensors (sequence tables, dropout seeds)
+    aux = (tuple(lse.shape), res[2], res[3], res[4], res[5], res[6], res[7])
+    return out, lse.reshape(q.shape[:3]), aux
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(),
+        lse.float().reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k, max_q,
+        max_k, 0.0, causal, scale=scale)
+
+
+# Regions with at most this many query-key pairs per head run the explicit math below on CUDA:
+# cuDNN refuses s_q = s_kv = 1 ("not supported", H100, cuDNN 9.19), and a launch of a fused
+# kernel costs more than the math at this size anyway.
+MATH_MAX_PAIRS = 64 * 64
+
+
+def _wide(x: Tensor) -> Tensor:  # fp32, or wider if x is
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _math_scores(q, k, causal, scale):
+    rep = q.shape[1] // k.shape[1]
+    s = _wide(q) @ _wide(k).repeat_interleave(rep, 1).transpose(-1, -2) * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s, rep
+
+
+def _math_forward(q, k, v, causal, scale):
+    s, rep = _math_scores(q, k, causal, scale)
+    lse = s.logsumexp(-1)
+    out = (s - lse.unsqueeze(-1)).exp() @ _wide(v).repeat_interleave(rep, 1)
+    return out.to(q.dtype), lse, None
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    s, rep = _math_scores(q, k, causal, scale)
+    p = (s - _wide(lse).unsqueeze(-1)).exp()
+    do, qf = _wide(dout), _wide(q)
+    vf = _wide(v).repeat_interleave(rep, 1)
+    ds = p * (do @ vf.transpose(-1, -2) - (do * _wide(out)).sum(-1, keepdim=True))
+    dq = ds @ _wide(k).repeat_interleave(rep, 1) * scale
+
+    def per_kv_head(x):  # [B, Hq, L, D] -> [B, Hkv, L, D], summing the GQA group
+        return x.unflatten(1, (k.shape[1], rep)).sum(2)
+
+    dk = per_kv_head(ds.transpose(-1, -2) @ qf * scale)
+    dv = per_kv_head(p.transpose(-1, -2) @ do)
+    return dq, dk, dv
+
+
+def _cuda_forward(q, k, v, causal, scale):
+    if q.shape[2] * k.shape[2] <= MATH_MAX_PAIRS:
+        return _math_forward(q, k, v, causal, scale)
+    return _cudnn_forward(q, k, v, causal, scale)
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    if aux is None:
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, aux)
+    return _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux)
+
+
+def region_kernel_name(device: torch.device) -> str:
+    return "cuDNN" if device.type == "cuda" else "CPU flash (aten)"
+
+
+def _kernels(q: Tensor):
+    if q.device.type == "cuda":
+        if q.dtype not in _HALF:
+            raise ValueError(f"attention_backend='regions' runs cuDNN on CUDA, which computes in "
+                             f"bf16/fp16, not {q.dtype}")
+        return _cuda_forward, _cuda_backward
+    if q.device.type == "cpu":
+        return _cpu_forward, _cpu_backward
+    raise ValueError(f"attention_backend='regions' has kernels for CUDA and CPU, not {q.device}")
+
+
+# ---- the plan: which token ranges are attended how --------------------------------------------
+
+class _Responses:
+    """The non-empty responses of one group, a contiguous run of tokens [start, end), seen as a
+    right-padded batch [n, H, R_max, ...]. When every response has length R_max the batch is a
+    view of the run; otherwise a gather (`idx`, padded rows repeat the response's first token)."""
+
+    def __init__(self, spans: list[tuple[int, int]], device: torch.device):
+        self.start, self.end = spans[0][0], spans[-1][1]
+        lens = [e - s for s, e in spans]
+        self.n, self.r = len(spans), max(lens)
+        self.idx = self.valid = None
+        if min(lens) != self.r:
+            starts = torch.tensor([s for s, _ in spans], device=device)
+            cols = torch.arange(self.r, device=device)
+            self.valid = cols < torch.tensor(lens, device=device)[:, None]  # [n, R_max]
+            self.idx = torch.where(self.valid, starts[:, None] + cols, starts[:, None])
+
+    def run(self, x: Tensor) -> Tensor:
+        """[1, H, T, ...] -> [1, H, tokens, ...], the run itself."""
+        return x[:, :, self.start:self.end]
+
+    def rows(self, x: Tensor, pad_value: float | None = None) -> Tensor:
+        """[1, H, T, ...] -> [n, H, R_max, ...]; padded rows set to `pad_value` if given."""
+        if self.idx is None:
+            return x[0, :, self.start:self.end].unflatten(1, (self.n, self.r)).transpose(0, 1)
+        rows = x[0][:, self.idx].transpose(0, 1)
+        if pad_value is not None:
+            keep = self.valid[:, None].reshape(self.n, 1, self.r, *([1] * (x.dim() - 3)))
+            rows = rows.masked_fill(~keep, pad_value)
+        return rows
+
+    def as_rows_of(self, x: Tensor) -> Tensor:
+        """A [1, H, tokens, ...] run in the layout unrows() gives: [H, n, R, ...] when uniform,
+        else [H, tokens, ...]."""
+        return x[0].unflatten(1, (self.n, self.r)) if self.idx is None else x[0]
+
+    def unrows(self, x: Tensor) -> Tensor:
+        """[n, H, R_max, ...] -> the valid rows, in as_rows_of()'s layout (a view if uniform)."""
+        return x.transpose(0, 1) if self.idx is None else x.transpose(0, 1)[:, self.valid]
+
+
+def _groups(packed: PackedBatch, device: torch.device):
+    """Per group: (prompt (start, end), _Responses or None), cached on the PackedBatch."""
+    key = ("two_region_plan", device)
+    if key not in packed._cache:
+        plan = []
+        for ps, pe, spans in packed.group_spans:
+            spans = [(s, e) for s, e in spans if e > s]
+            plan.append(((ps, pe), _Responses(spans, device) if spans else None))
+        packed._cache[key] = plan
+    return packed._cache[key]
+
+
+def _sl(x: Tensor, span: tuple[int, int]) -> Tensor:
+    return x[:, :, span[0]:span[1]]
+
+
+def _merge_eager(o_x, l_x, o_own, l_own):
+    """Two partial softmaxes of the same rows -> the softmax over both key regions."""
+    l_x, l_own = _wide(l_x), _wide(l_own)
+    lse = torch.logaddexp(l_x, l_own)
+    out = (_wide(o_x) * (l_x - lse).exp().unsqueeze(-1)
+           + _wide(o_own) * (l_own - lse).exp().unsqueeze(-1))
+    return out.to(o_x.dtype), lse
+
+
+_compiled_merge = []
+
+
+def _merge(o_x, l_x, o_own, l_own):
+    """On CUDA one fused kernel (compiled once, dynamic shapes); eager elsewhere."""
+    if o_x.device.type != "cuda" or torch.compiler.is_compiling():
+        return _merge_eager(o_x, l_x, o_own, l_own)
+    if not _compiled_merge:
+        _compiled_merge.append(torch.compile(_merge_eager, dynamic=True, fullgraph=True))
+    return _compiled_merge[0](o_x, l_x, o_own, l_own)
+
+
+def _write(dst: Tensor, a: Tensor, b: Tensor | None = None) -> None:
+    """dst = a (+ b): each gradient is rounded once, after the sum."""
+    if b is None:
+        dst.copy_(a)
+    else:
+        torch.add(a, b, out=dst)
+
+
+class _TwoRegionAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, packed, scale):
+        fwd, _ = _kernels(q)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32),
+                          device=q.device)
+        aux = []
+
+        def causal_self(span):
+            o, l, a = fwd(_sl(q, span), _sl(k, span), _sl(v, span), True, scale)
+            _sl(out, span).copy_(o)
+            _sl(lse, span).copy_(l)
+            aux.append(a)
+
+        for prompt, resp in _groups(packed, q.device):
+            has_prompt = prompt[1] > prompt[0]
+            if has_prompt:
+                causal_self(prompt)
+            if resp is None:
+                continue
+            o_own, l_own, a_own = fwd(resp.rows(q), resp.rows(k), resp.rows(v), True, scale)
+            o_own, l_own = resp.unrows(o_own), resp.unrows(l_own)
+            if has_prompt:
+                o_x, l_x, a_x = fwd(resp.run(q), _sl(k, prompt), _sl(v, prompt), False, scale)
+                o_own, l_own = _merge(resp.as_rows_of(o_x), resp.as_rows_of(l_x), o_own, l_own)
+            else:
+                a_x = None
+            resp.as_rows_of(resp.run(out)).copy_(o_own)
+            resp.as_rows_of(resp.run(lse)).copy_(l_own)
+            aux += [a_own, a_x]
+        pad = packed.padding_span
+        if pad[1] > pad[0]:
+            causal_self(pad)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.packed, ctx.scale, ctx.aux = packed, scale, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        _, bwd = _kernels(q)
+        scale, aux = ctx.scale, iter(ctx.aux)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def grads(q_span, kv_span, causal, a):
+            return bwd(_sl(dout, q_span), _sl(q, q_span), _sl(k, kv_span), _sl(v, kv_span),
+                       _sl(out, q_span), _sl(lse, q_span), causal, scale, a)
+
+        for prompt, resp in _groups(ctx.packed, q.device):
+            has_prompt = prompt[1] > prompt[0]
+            g_p = grads(prompt, prompt, True, next(aux)) if has_prompt else None
+            g_x = None
+            if resp is not None:
+                a_own, a_x = next(aux), next(aux)
+                # padded rows (ragged responses only) take dO = 0 and lse = +inf: P = 0 there
+                g_own = bwd(resp.rows(dout, 0.0), resp.rows(q), resp.rows(k), resp.rows(v),
+                            resp.rows(out, 0.0), resp.rows(lse, float("inf")), True, scale,
+                            a_own)
+                if has_prompt:
+                    g_x = bwd(resp.run(dout), resp.run(q), _sl(k, prompt), _sl(v, prompt),
+                              resp.run(out), resp.run(lse), False, scale, a_x)
+                for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
+                    cross = resp.as_rows_of(g_x[0]) if (g_x is not None and i == 0) else None
+                    _write(resp.as_rows_of(resp.run(grad)), resp.unrows(g_own[i]), cross)
+            if has_prompt:
+                _write(_sl(dq, prompt), g_p[0])
+                for grad, i in ((dk, 1), (dv, 2)):
+                    _write(_sl(grad, prompt), g_p[i], None if g_x is None else g_x[i])
+        pad = ctx.packed.padding_span
+        if pad[1] > pad[0]:
+            g = grads(pad, pad, True, next(aux))
+            for grad, part in zip((dq, dk, dv), g):
+                _write(_sl(grad, pad), part)
+        return dq, dk, dv, None, None
+
+
+def two_region_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch,
+                         scale: float | None = None) -> Tensor:
+    """Shared-prefix attention of the packed batch by dense kernels over the two KV regions.
+
+    q [1, Hq, T, D], k/v [1, Hkv, T, D] -> [1, Hq, T, D]; equal to causal SDPA on the
+    replicated rows. Differentiable in q, k and v. CUDA needs bf16 or fp16 (cuDNN)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _TwoRegionAttention.apply(q, k, v, packed, scale)
