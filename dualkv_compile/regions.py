@@ -53,10 +53,17 @@ def _cudnn_forward(q, k, v, causal, scale):
     return out, lse.reshape(q.shape[:3]), aux
 
 
+# dO and O go to cuDNN's backward as the strided views they are (both slices of [1, H, T, D]
+# tensors); False copies them to contiguous first.
+_STRIDED_BACKWARD = True
+
+
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+    if not _STRIDED_BACKWARD:
+        dout, out = dout.contiguous(), out.contiguous()
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.contiguous(), q, k, v, out.contiguous(),
+        dout, q, k, v, out,
         lse.float().reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k, max_q,
         max_k, 0.0, causal, scale=scale)
 
