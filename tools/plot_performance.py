@@ -3,8 +3,10 @@
     python -m dualkv_compile.tools.plot_performance docs/results/attention_h100.json \
         docs/results/attention_long_h100.json --out docs/performance_speedup.png
 
-One group of bars per shape: the ideal (the pair reduction) and each packed-op backend's
-measured speed-up over the best dense SDPA kernel on the replicated batch. Needs matplotlib.
+One group of bars per shape (N, P, R): the ideal (the pair reduction) and each packed-op
+backend's measured speed-up over the best dense SDPA kernel on the replicated batch. Files are
+merged by shape; a backend measured in several files is taken from the first that has it (every
+speed-up is a ratio from one run). Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, meta = [], None
+    by_shape, meta = {}, None
     for path in args.results:
         with open(path) as f:
             data = json.load(f)
         meta = meta or data["meta"]
-        rows += data["rows"]
+        for r in data["rows"]:
+            merged = by_shape.setdefault((r["N"], r["P"], r["R"]), {})
+            for key, value in r.items():
+                merged.setdefault(key, value)
+    rows = list(by_shape.values())
     backends = sorted({k for r in rows for k in r if k.startswith("ours_")})
     labels = [f"{r['N']}x({r['P'] // 1024}K+{r['R'] // 1024 or r['R']}{'K' if r['R'] >= 1024 else ''})"
               for r in rows]
