@@ -16,12 +16,15 @@ import logging
 
 import torch
 
-__all__ = ["ATTENTION_BACKENDS", "describe_attention_backend", "flash_status",
+__all__ = ["ALL_ATTENTION_BACKENDS", "ATTENTION_BACKENDS", "describe_attention_backend", "flash_status",
            "resolve_attention_backend"]
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "flash", "triton")
+ATTENTION_BACKENDS = ("auto", "flash", "triton")  # the flex kernels
+# every choice of DualKVConfig.attention_backend: the flex kernels, and "regions" (regions.py:
+# dense cuDNN calls over the two KV regions, no flex)
+ALL_ATTENTION_BACKENDS = ATTENTION_BACKENDS + ("regions",)
 _FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
 # head dims FLASH is used for: those its GPU tests passed at. At head dim 16 FA4 4.0.0b36 returned
 # a wrong dq (relative error 1.07, H100, docs/results/gpu_attention_tests_h100.txt).
@@ -84,6 +87,9 @@ def resolve_attention_backend(requested: str, device: torch.device,
 def describe_attention_backend(device: torch.device, head_dim: int | None = None,
                                dtype: torch.dtype | None = None, requested: str = "auto") -> str:
     """One line for the CLI: which kernel `requested` gives on `device`, and why."""
+    if requested == "regions":
+        kernel = "cuDNN" if device.type == "cuda" else "PyTorch's CPU flash kernel"
+        return f"REGIONS on {device} (requested 'regions'; {kernel} over the two KV regions)"
     if device.type != "cuda":
         return f"CPU reference (SDPA per segment) on {device}; CUDA devices use FLASH or Triton"
     chosen = resolve_attention_backend(requested, device, head_dim, dtype)

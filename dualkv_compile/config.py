@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from .attention_backend import ATTENTION_BACKENDS
+from .attention_backend import ALL_ATTENTION_BACKENDS
 from .kernel_options import validate_kernel_options
 from .packing import check_bucket_growth
 
@@ -28,8 +28,9 @@ class DualKVConfig:
         geometrically by this factor (packing.bucket_length), which bounds the compiles when
         lengths vary widely (1.1: about 7 buckets per doubling of T, <= 10% padding).
     attention_backend: the CUDA attention kernel: "auto" (FLASH where flash-attn-4 imports on
-        sm_90/sm_100, else Triton, logged once), "flash" (raises where it cannot run) or
-        "triton".
+        sm_90/sm_100, else Triton, logged once), "flash" (raises where it cannot run),
+        "triton", or "regions" (no flex: dense cuDNN calls over the two KV regions, merged by
+        log-sum-exp; regions.py; also on CPU with PyTorch's CPU flash kernel).
     kernel_options: FlexAttention kernel options over the architecture's table (validated).
     backend: "auto" (Inductor on CUDA, aot_eager elsewhere, since Inductor's CPU flex has no
         backward), "inductor", "aot_eager" or "eager".
@@ -68,9 +69,12 @@ class DualKVConfig:
         if not isinstance(self.pad_to, int) or self.pad_to < 128 or self.pad_to % 128:
             raise ValueError(f"pad_to={self.pad_to!r} must be a positive multiple of 128")
         check_bucket_growth(self.bucket_growth)
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        if self.attention_backend not in ALL_ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                             f"{ALL_ATTENTION_BACKENDS}")
+        if self.attention_backend == "regions" and self.kernel_options:
+            raise ValueError(f"kernel_options={self.kernel_options!r} configure flex_attention; "
+                             f"attention_backend='regions' does not use it")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {_BACKENDS}")
         if self.fallback not in _FALLBACKS:

@@ -20,27 +20,45 @@ ragged responses in the own region), so the work is the ideal pair count.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import Tensor
 
 from .packing import PackedBatch
 
-__all__ = ["two_region_attention", "region_kernel_name"]
+__all__ = ["two_region_attention", "region_kernel_name", "regions_attention_op"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:  # fp32, or fp64 for fp64 inputs
+    return torch.promote_types(dtype, torch.float32)
+
+
 # ---- the dense kernels: forward -> (out, lse [B, H, L], aux); backward with a given out, lse ---
+# aux is what a backward kernel takes besides tensors; None makes the backward find it itself.
 
 def _cpu_forward(q, k, v, causal, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=scale)
-    return out, lse, lse.dtype
+    return out, lse, None
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale, aux):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.to(aux), 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse.to(_lse_dtype(q.dtype)), 0.0, causal, scale=scale)
+
+
+# cuDNN's backward takes the forward's sequence tables, sizes and dropout seeds. They depend on
+# the shapes only (no dropout), so every forward files them by shape, for backwards that run
+# without the forward's own (the compiled graph's custom op, below).
+_CUDNN_AUX: OrderedDict = OrderedDict()
+_CUDNN_AUX_MAX = 4096
+
+
+def _aux_key(q, k, causal):
+    return tuple(q.shape), tuple(k.shape), causal, q.dtype, q.device
 
 
 def _cudnn_forward(q, k, v, causal, scale):
@@ -48,8 +66,12 @@ def _cudnn_forward(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale)
     out, lse = res[0], res[1]
-    # aux: what the backward kernel takes besides the tensors (sequence tables, dropout seeds)
     aux = (tuple(lse.shape), res[2], res[3], res[4], res[5], res[6], res[7])
+    key = _aux_key(q, k, causal)
+    _CUDNN_AUX[key] = aux
+    _CUDNN_AUX.move_to_end(key)
+    if len(_CUDNN_AUX) > _CUDNN_AUX_MAX:
+        _CUDNN_AUX.popitem(last=False)
     return out, lse.reshape(q.shape[:3]), aux
 
 
@@ -59,6 +81,12 @@ _STRIDED_BACKWARD = True
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    if aux is None:
+        aux = _CUDNN_AUX.get(_aux_key(q, k, causal))
+        if aux is None:
+            raise RuntimeError(f"regions attention: no cuDNN forward of q {tuple(q.shape)}, k "
+                               f"{tuple(k.shape)} (causal={causal}) ran in this process before "
+                               f"its backward")
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
     if not _STRIDED_BACKWARD:
         dout, out = dout.contiguous(), out.contiguous()
@@ -117,7 +145,7 @@ def _cuda_forward(q, k, v, causal, scale):
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, scale, aux):
-    if aux is None:
+    if q.shape[2] * k.shape[2] <= MATH_MAX_PAIRS:
         return _math_backward(dout, q, k, v, out, lse, causal, scale, aux)
     return _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux)
 
@@ -179,16 +207,50 @@ class _Responses:
         return x.transpose(0, 1) if self.idx is None else x.transpose(0, 1)[:, self.valid]
 
 
-def _groups(packed: PackedBatch, device: torch.device):
-    """Per group: (prompt (start, end), _Responses or None), cached on the PackedBatch."""
+def _plan(groups, device: torch.device) -> list:
+    """[(prompt (start, end), [(response start, end), ...])] -> [(prompt span, _Responses or
+    None)]. Self-only segments (the padding) are groups without responses."""
+    plan = []
+    for prompt, spans in groups:
+        spans = [(s, e) for s, e in spans if e > s]
+        plan.append((prompt, _Responses(spans, device) if spans else None))
+    return plan
+
+
+def plan_of_packed(packed: PackedBatch, device: torch.device) -> list:
+    """The plan of a PackedBatch, cached on it."""
     key = ("two_region_plan", device)
     if key not in packed._cache:
-        plan = []
-        for ps, pe, spans in packed.group_spans:
-            spans = [(s, e) for s, e in spans if e > s]
-            plan.append(((ps, pe), _Responses(spans, device) if spans else None))
-        packed._cache[key] = plan
+        groups = [((ps, pe), spans) for ps, pe, spans in packed.group_spans]
+        if packed.padding_span[1] > packed.padding_span[0]:
+            groups.append((packed.padding_span, []))
+        packed._cache[key] = _plan(groups, device)
     return packed._cache[key]
+
+
+def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
+    """The plan from the layout's 1-D segment tables (what a compiled graph has): runs of equal
+    segment id; a run whose prefix segment is itself is a prompt (or the padding), any other a
+    response of the group whose prompt it names. Reads the run boundaries to the host: one
+    device synchronisation."""
+    t = segment_ids.shape[0]
+    starts = torch.ones(t, dtype=torch.bool, device=segment_ids.device)
+    starts[1:] = segment_ids[1:] != segment_ids[:-1]
+    idx = starts.nonzero().flatten()
+    rows = torch.stack([idx, segment_ids[idx].long(), prefix_segment_ids[idx].long()])
+    first, seg, pre = rows.tolist()
+    groups, prompt_id = [], None
+    for i, (s, sid, pid) in enumerate(zip(first, seg, pre)):
+        e = first[i + 1] if i + 1 < len(first) else t
+        if sid == pid:  # a prompt or the padding: starts a group
+            groups.append(((s, e), []))
+            prompt_id = sid
+        else:
+            if pid != prompt_id:  # responses whose prompt has no tokens here
+                groups.append(((s, s), []))
+                prompt_id = pid
+            groups[-1][1].append((s, e))
+    return _plan(groups, segment_ids.device)
 
 
 def _sl(x: Tensor, span: tuple[int, int]) -> Tensor:
@@ -224,80 +286,82 @@ def _write(dst: Tensor, a: Tensor, b: Tensor | None = None) -> None:
         torch.add(a, b, out=dst)
 
 
+def _new(like: Tensor) -> Tensor:
+    """Outputs are contiguous whatever the inputs' strides, so the compiled graph's fake outputs
+    (below) have the real outputs' strides."""
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def regions_forward(q, k, v, plan, scale):
+    """-> (out [1, Hq, T, D], lse [1, Hq, T], aux: one entry per kernel call, for backward)."""
+    fwd, _ = _kernels(q)
+    out = _new(q)
+    lse = torch.empty(q.shape[:3], dtype=_lse_dtype(q.dtype), device=q.device)
+    aux = []
+    for prompt, resp in plan:
+        has_prompt = prompt[1] > prompt[0]
+        if has_prompt:
+            o, l, a = fwd(_sl(q, prompt), _sl(k, prompt), _sl(v, prompt), True, scale)
+            _sl(out, prompt).copy_(o)
+            _sl(lse, prompt).copy_(l)
+            aux.append(a)
+        if resp is None:
+            continue
+        o_own, l_own, a_own = fwd(resp.rows(q), resp.rows(k), resp.rows(v), True, scale)
+        o_own, l_own = resp.unrows(o_own), resp.unrows(l_own)
+        a_x = None
+        if has_prompt:
+            o_x, l_x, a_x = fwd(resp.run(q), _sl(k, prompt), _sl(v, prompt), False, scale)
+            o_own, l_own = _merge(resp.as_rows_of(o_x), resp.as_rows_of(l_x), o_own, l_own)
+        resp.as_rows_of(resp.run(out)).copy_(o_own)
+        resp.as_rows_of(resp.run(lse)).copy_(l_own)
+        aux += [a_own, a_x]
+    return out, lse, aux
+
+
+def regions_backward(dout, q, k, v, out, lse, plan, scale, aux=None):
+    """-> (dq, dk, dv). `aux` from regions_forward, or None (the kernels find it themselves)."""
+    _, bwd = _kernels(q)
+    aux = iter(aux) if aux is not None else None
+    take = (lambda: next(aux)) if aux is not None else (lambda: None)
+    dq, dk, dv = _new(q), _new(k), _new(v)
+    for prompt, resp in plan:
+        has_prompt = prompt[1] > prompt[0]
+        g_p = g_x = None
+        if has_prompt:
+            g_p = bwd(_sl(dout, prompt), _sl(q, prompt), _sl(k, prompt), _sl(v, prompt),
+                      _sl(out, prompt), _sl(lse, prompt), True, scale, take())
+        if resp is not None:
+            a_own, a_x = take(), take()
+            # padded rows (ragged responses only) take dO = 0 and lse = +inf: P = 0 there
+            g_own = bwd(resp.rows(dout, 0.0), resp.rows(q), resp.rows(k), resp.rows(v),
+                        resp.rows(out, 0.0), resp.rows(lse, float("inf")), True, scale, a_own)
+            if has_prompt:
+                g_x = bwd(resp.run(dout), resp.run(q), _sl(k, prompt), _sl(v, prompt),
+                          resp.run(out), resp.run(lse), False, scale, a_x)
+            for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
+                cross = resp.as_rows_of(g_x[0]) if (g_x is not None and i == 0) else None
+                _write(resp.as_rows_of(resp.run(grad)), resp.unrows(g_own[i]), cross)
+        if has_prompt:
+            _write(_sl(dq, prompt), g_p[0])
+            for grad, i in ((dk, 1), (dv, 2)):
+                _write(_sl(grad, prompt), g_p[i], None if g_x is None else g_x[i])
+    return dq, dk, dv
+
+
 class _TwoRegionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, packed, scale):
-        fwd, _ = _kernels(q)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32),
-                          device=q.device)
-        aux = []
-
-        def causal_self(span):
-            o, l, a = fwd(_sl(q, span), _sl(k, span), _sl(v, span), True, scale)
-            _sl(out, span).copy_(o)
-            _sl(lse, span).copy_(l)
-            aux.append(a)
-
-        for prompt, resp in _groups(packed, q.device):
-            has_prompt = prompt[1] > prompt[0]
-            if has_prompt:
-                causal_self(prompt)
-            if resp is None:
-                continue
-            o_own, l_own, a_own = fwd(resp.rows(q), resp.rows(k), resp.rows(v), True, scale)
-            o_own, l_own = resp.unrows(o_own), resp.unrows(l_own)
-            if has_prompt:
-                o_x, l_x, a_x = fwd(resp.run(q), _sl(k, prompt), _sl(v, prompt), False, scale)
-                o_own, l_own = _merge(resp.as_rows_of(o_x), resp.as_rows_of(l_x), o_own, l_own)
-            else:
-                a_x = None
-            resp.as_rows_of(resp.run(out)).copy_(o_own)
-            resp.as_rows_of(resp.run(lse)).copy_(l_own)
-            aux += [a_own, a_x]
-        pad = packed.padding_span
-        if pad[1] > pad[0]:
-            causal_self(pad)
+        plan = plan_of_packed(packed, q.device)
+        out, lse, aux = regions_forward(q, k, v, plan, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.packed, ctx.scale, ctx.aux = packed, scale, aux
+        ctx.plan, ctx.scale, ctx.aux = plan, scale, aux
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        _, bwd = _kernels(q)
-        scale, aux = ctx.scale, iter(ctx.aux)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-        def grads(q_span, kv_span, causal, a):
-            return bwd(_sl(dout, q_span), _sl(q, q_span), _sl(k, kv_span), _sl(v, kv_span),
-                       _sl(out, q_span), _sl(lse, q_span), causal, scale, a)
-
-        for prompt, resp in _groups(ctx.packed, q.device):
-            has_prompt = prompt[1] > prompt[0]
-            g_p = grads(prompt, prompt, True, next(aux)) if has_prompt else None
-            g_x = None
-            if resp is not None:
-                a_own, a_x = next(aux), next(aux)
-                # padded rows (ragged responses only) take dO = 0 and lse = +inf: P = 0 there
-                g_own = bwd(resp.rows(dout, 0.0), resp.rows(q), resp.rows(k), resp.rows(v),
-                            resp.rows(out, 0.0), resp.rows(lse, float("inf")), True, scale,
-                            a_own)
-                if has_prompt:
-                    g_x = bwd(resp.run(dout), resp.run(q), _sl(k, prompt), _sl(v, prompt),
-                              resp.run(out), resp.run(lse), False, scale, a_x)
-                for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
-                    cross = resp.as_rows_of(g_x[0]) if (g_x is not None and i == 0) else None
-                    _write(resp.as_rows_of(resp.run(grad)), resp.unrows(g_own[i]), cross)
-            if has_prompt:
-                _write(_sl(dq, prompt), g_p[0])
-                for grad, i in ((dk, 1), (dv, 2)):
-                    _write(_sl(grad, prompt), g_p[i], None if g_x is None else g_x[i])
-        pad = ctx.packed.padding_span
-        if pad[1] > pad[0]:
-            g = grads(pad, pad, True, next(aux))
-            for grad, part in zip((dq, dk, dv), g):
-                _write(_sl(grad, pad), part)
+        dq, dk, dv = regions_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.aux)
         return dq, dk, dv, None, None
 
 
@@ -310,3 +374,50 @@ def two_region_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch,
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _TwoRegionAttention.apply(q, k, v, packed, scale)
+
+
+# ---- the same as one opaque op, for compiled graphs (optimize(attention_backend="regions")) ---
+# The layout enters as the 1-D segment tables the graph already has; the plan is read from them
+# on each call (one host synchronisation). Backward is a second op, so AOTAutograd partitions
+# the pair like any attention.
+
+@torch.library.custom_op("dualkv::regions_attention", mutates_args=())
+def regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
+                         prefix_segment_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    out, lse, _ = regions_forward(q, k, v, plan_of_segments(segment_ids, prefix_segment_ids),
+                                  scale)
+    return out, lse
+
+
+@regions_attention_op.register_fake
+def _(q, k, v, segment_ids, prefix_segment_ids, scale):
+    return _new(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("dualkv::regions_attention_backward", mutates_args=())
+def regions_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                  lse: Tensor, segment_ids: Tensor, prefix_segment_ids: Tensor,
+                                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    plan = plan_of_segments(segment_ids, prefix_segment_ids)
+    return regions_backward(dout, q, k, v, out, lse, plan, scale)
+
+
+@regions_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale):
+    return _new(q), _new(k), _new(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, segment_ids, prefix_segment_ids, scale = inputs
+    ctx.save_for_backward(q, k, v, segment_ids, prefix_segment_ids, *output)
+    ctx.scale = scale
+
+
+def _backward(ctx, dout, dlse):  # lse is internal: the rewritten graph reads only out
+    q, k, v, segment_ids, prefix_segment_ids, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.dualkv.regions_attention_backward(
+        dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+regions_attention_op.register_autograd(_backward, setup_context=_setup_context)

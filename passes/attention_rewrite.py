@@ -4,7 +4,9 @@ An SDPA node is rewritten when it is causal: `is_causal=True` with no mask, or a
 model computed from positions and shapes alone (transformers builds one from position_ids).
 Masks that depend on token data or parameters, dropout, or a batch other than 1 are refused.
 The replacement is the flex_attention higher-order op with the packed layout's BlockMask, whose
-tensors (and the 1-D segment tables its mask_mod reads) come from the layout anchor's inputs.
+tensors (and the 1-D segment tables its mask_mod reads) come from the layout anchor's inputs;
+with attention_backend="regions", the opaque op torch.ops.dualkv.regions_attention (regions.py),
+which reads the segment tables only.
 The model's own mask computation becomes dead and is removed.
 """
 
@@ -124,9 +126,6 @@ def _block_mask_tuple(graph: fx.Graph, template: tuple, tables: list, mask_attr:
 def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
                       attention_backend: str = "auto") -> int:
     """Rewrite every SDPA node of `gm` in place; erase the anchor. Returns the rewrite count."""
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-    from torch.nn.attention.flex_attention import _apply_kernel_options
-
     graph = gm.graph
     anchor = find_anchor(graph)
     tokens, positions, tables = anchor.args
@@ -134,6 +133,55 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
     sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
     if not sdpa_nodes:
         raise Refusal("no scaled_dot_product_attention in the traced model; nothing to share")
+    if attention_backend == "regions":
+        _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids)
+    else:
+        _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_backend,
+                 segment_ids, prefix_segment_ids, block_tensors)
+
+    # The anchor's output is unused; its inputs now feed the attention nodes directly.
+    anchor.replace_all_uses_with(tokens)
+    graph.erase_node(anchor)
+    removed = _eliminate_dead_code(graph)
+    counters["mask_nodes_removed"] += removed
+    return len(sdpa_nodes)
+
+
+def _scale(args: dict, q: Tensor) -> float:
+    return args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def _replace(node: fx.Node, out: fx.Node) -> None:
+    out.meta = dict(node.meta)
+    node.replace_all_uses_with(out)
+    node.graph.erase_node(node)
+    counters["attention_rewritten"] += 1
+
+
+def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids) -> None:
+    """SDPA -> torch.ops.dualkv.regions_attention (regions.py), fed the 1-D segment tables."""
+    from dualkv_compile.regions import regions_attention_op
+
+    for node in sdpa_nodes:
+        args = _sdpa_arguments(node)
+        _check_sdpa(node, args, positions)
+        with graph.inserting_before(node):
+            op = graph.call_function(
+                regions_attention_op._opoverload,
+                (args["query"], args["key"], args["value"], segment_ids, prefix_segment_ids,
+                 _scale(args, example(args["query"]))),
+            )
+            out = graph.call_function(operator.getitem, (op, 0))
+        _replace(node, out)
+
+
+def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_backend,
+             segment_ids, prefix_segment_ids, block_tensors) -> None:
+    """SDPA -> the flex_attention higher-order op with the layout's BlockMask."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+
+    graph = gm.graph
 
     gm.add_submodule("dualkv_score_mod", _score_graph())
     gm.add_submodule("dualkv_mask_mod", _mask_graph())
@@ -141,7 +189,7 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
-        scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+        scale = _scale(args, q)
         options = kernel_options_for(q.device, kernel_options, head_dim=q.shape[-1],
                                      gqa=q.shape[1] // k.shape[1], dtype=q.dtype,
                                      attention_backend=attention_backend)
@@ -156,17 +204,7 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
                  options, (), (segment_ids, prefix_segment_ids)),
             )
             out = graph.call_function(operator.getitem, (hop, 0))
-        out.meta = dict(node.meta)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        counters["attention_rewritten"] += 1
-
-    # The anchor's output is unused; its inputs now feed the flex nodes directly.
-    anchor.replace_all_uses_with(tokens)
-    graph.erase_node(anchor)
-    removed = _eliminate_dead_code(graph)
-    counters["mask_nodes_removed"] += removed
-    return len(sdpa_nodes)
+        _replace(node, out)
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> int:

@@ -30,9 +30,12 @@ def uuid() -> str:
 
 
 def save_attention(graph: fx.Graph) -> int:
-    """Tag the inputs and outputs of every flex forward in the joint `graph`; returns the count."""
-    flex = [n for n in graph.nodes
-            if n.op == "call_function" and n.target is torch.ops.higher_order.flex_attention]
+    """Tag the inputs and outputs of every attention forward (flex, or the regions op) in the
+    joint `graph`; returns the count."""
+    from dualkv_compile.regions import regions_attention_op
+
+    targets = {torch.ops.higher_order.flex_attention, regions_attention_op._opoverload}
+    flex = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
     for node in flex:
         tagged = [a for a in node.args[:3] if isinstance(a, fx.Node) and a.op == "call_function"]
         tagged += [node] + [u for u in node.users if u.target is operator.getitem]

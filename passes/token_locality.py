@@ -7,7 +7,7 @@ inputs (tokens and positions, axis 1) through the graph:
 - ops with a rule here keep the axis where the rule says (pointwise with broadcasting, linear,
   embedding, norms and reductions over other dims, views, transposes, indexing that leaves the
   axis whole, cat/stack/split along other dims, matmul that does not contract over tokens,
-  the shared-prefix flex_attention);
+  the shared-prefix attention: flex_attention or the regions op);
 - an op that reduces, slices, gathers, shifts or contracts along the token axis, or that meets
   a tensor carrying its own full-length sequence axis (positions made by arange rather than
   fed from the packed layout), or any op without a rule, is refused naming the op and line.
@@ -302,7 +302,13 @@ class _Proof:
 
 
 def _is_flex(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__name__", "") == "flex_attention"
+    """The rewritten attention: the flex_attention HOP, or the regions op (regions.py)."""
+    if node.op != "call_function":
+        return False
+    from dualkv_compile.regions import regions_attention_op
+
+    return (getattr(node.target, "__name__", "") == "flex_attention"
+            or node.target is regions_attention_op._opoverload)
 
 
 def prove_token_locality(graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout) -> int:

@@ -158,3 +158,50 @@ def test_regions_bf16_error_is_that_of_dense_bf16():
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, dense, ref):
         assert a.dtype == torch.bfloat16, name
         assert rel_err(a, r) <= 2 * rel_err(b, r), (name, rel_err(a, r), rel_err(b, r))
+
+
+def _spans(plan):
+    return [(prompt, None if r is None else (r.start, r.end, r.n, r.r)) for prompt, r in plan]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(st.integers(1, 30), st.lists(st.integers(0, 30), min_size=1, max_size=4)),
+        min_size=1, max_size=4,
+    ),
+    pad_side=st.sampled_from(["left", "right"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_regions_plan_from_segment_tables_equals_the_packed_plan(layout, pad_side, seed):
+    """What a compiled graph has (the 1-D segment tables) gives the same regions as the
+    PackedBatch."""
+    from dualkv_compile.regions import plan_of_packed, plan_of_segments
+
+    g = torch.Generator().manual_seed(seed)
+    tokens, mask, p = make_batch([pl for pl, _ in layout], [rs for _, rs in layout],
+                                 pad_side=pad_side, shuffle=True, generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    from_tables = plan_of_segments(pb.segment_ids[0], pb.prefix_segment_ids[0])
+    assert _spans(from_tables) == _spans(plan_of_packed(pb, torch.device("cpu")))
+
+
+def test_regions_custom_op_matches_replicated_fp64():
+    """torch.ops.dualkv.regions_attention (the op optimize() puts in compiled graphs), called
+    eagerly: out and gradients against the replicated rows."""
+    g = torch.Generator().manual_seed(21)
+    tokens, mask, p = make_batch([9, 30], [[4, 0, 17], [1, 25]], shuffle=True, generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 6, 3, 8, dtype=torch.float64, device="cpu", generator=g)
+    seg, pre = pb.segment_ids[0], pb.prefix_segment_ids[0]
+
+    def op(q, k, v, packed):
+        return torch.ops.dualkv.regions_attention(q, k, v, seg, pre, 8 ** -0.5)[0]
+
+    ours = packed_forward_backward(op, q, k, v, pb, cot)
+    ref = replicated_forward_backward(q, k, v, pb, mask, cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+    torch.library.opcheck(torch.ops.dualkv.regions_attention.default,
+                          (q.detach().requires_grad_(), k.detach().requires_grad_(),
+                           v.detach().requires_grad_(), seg, pre, 0.5))

@@ -69,12 +69,22 @@ def flex_backward_inputs(backward):
     return [node] + more
 
 
-def assert_attention_not_recomputed(backward):
-    """q, k, v, out and logsumexp reach every flex backward as saved tensors (or views of one)."""
+def regions_backward_inputs(backward):
+    (node, *more) = [n for n in backward.graph.nodes if n.op == "call_function"
+                     and "regions_attention_backward" in str(n.target)]
+    return [node] + more
+
+
+def assert_attention_not_recomputed(backward, kernel="flex"):
+    """q, k, v, out and logsumexp reach every attention backward (flex, or the regions op) as
+    saved tensors (or views of one)."""
     targets = {str(n.target) for n in backward.graph.nodes if n.op == "call_function"}
-    assert "flex_attention" not in targets, "the flex forward is recomputed in the backward"
-    for node in flex_backward_inputs(backward):
-        for arg in node.args[:5]:
+    forward_op = "flex_attention" if kernel == "flex" else "dualkv.regions_attention.default"
+    assert forward_op not in targets, "the attention forward is recomputed in the backward"
+    nodes = flex_backward_inputs(backward) if kernel == "flex" else regions_backward_inputs(backward)
+    for node in nodes:
+        saved = node.args[:5] if kernel == "flex" else node.args[1:6]  # (dout, q, k, v, out, lse)
+        for arg in saved:
             while arg.op == "call_function" and arg.target in (
                     torch.ops.aten.detach.default, torch.ops.aten.view.default):
                 arg = arg.args[0]
@@ -91,6 +101,14 @@ def test_checkpointed_layers_are_exact_and_recompute_all_but_attention(family):
     # the layers' norms are recomputed in the backward: checkpointing is really on
     assert ops.count(torch.ops.aten.rsqrt.default) >= 4
     assert_attention_not_recomputed(backward)
+
+
+def test_checkpointed_layers_with_the_regions_backend_save_its_inputs():
+    config = dk.DualKVConfig(backend="aot_eager", attention_backend="regions")
+    forward, backward = logprob_grads(checkpointed("hf_qwen3"), config)
+    assert dk.counters["attention_rewritten"] == 2
+    assert torch.ops.aten.rsqrt.default in [n.target for n in backward.graph.nodes]
+    assert_attention_not_recomputed(backward, kernel="regions")
 
 
 def test_memory_budget_recomputes_but_not_attention():

@@ -30,6 +30,8 @@ def test_frozen():
     ({"activation_memory_budget": 0}, "activation_memory_budget=0 must be in"),
     ({"activation_memory_budget": 1.5}, "activation_memory_budget=1.5 must be in"),
     ({"kernel_options": {"BLOK_M": 64}}, "unknown kernel option 'BLOK_M'"),
+    ({"attention_backend": "regions", "kernel_options": {"BLOCK_M": 64}},
+     "attention_backend='regions' does not use it"),
 ])
 def test_validation_names_the_bad_value(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -43,11 +43,14 @@ def fresh_counters():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("attention_backend", ["auto", "regions"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_logprobs_and_gradients_match_row_by_row(family):
+def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backend):
+    """"auto" on CPU: the flex higher-order op's dense math; "regions": the opaque regions op
+    (regions.py) with PyTorch's CPU flash kernel, partitioned by AOTAutograd."""
     model = same_dtype_numerics(tiny_model(family)).double()
     tokens, mask, p = batch()
-    wrapper = dk.optimize(model)
+    wrapper = dk.optimize(model, dk.DualKVConfig(attention_backend=attention_backend))
 
     logits = wrapper(tokens, prompt_len=p, padding_mask=mask)
     logits = logits.logits if hasattr(logits, "logits") else logits
@@ -77,6 +80,9 @@ def test_logits_logprobs_and_gradients_match_row_by_row(family):
     assert dk.counters["attention_rewritten"] == 2 * 2  # 2 layers, in each of the 2 modes
     assert dk.counters["lm_head_pruned"] == 1
     assert dk.counters["dense_fallback"] == 0
+    targets = [str(n.target) for n in wrapper._backends["hidden"].last_graph.graph.nodes]
+    kernel = "regions_attention" if attention_backend == "regions" else "flex_attention"
+    assert sum(kernel in t for t in targets) == 2, targets
 
 
 @pytest.mark.parametrize("family", FAMILIES)

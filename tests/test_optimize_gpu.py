@@ -55,13 +55,15 @@ def enable_checkpointing(model):
     return model
 
 
-@pytest.mark.parametrize("family,checkpointing,region",
-                         [(f, False, "model") for f in FAMILIES]
-                         + [("hf_qwen3", True, "model"), ("qwen2_5", True, "model"),
-                            ("qwen2_5", False, "layer"), ("qwen2_5", True, "layer")])
+@pytest.mark.parametrize("family,checkpointing,region,attention_backend",
+                         [(f, False, "model", "auto") for f in FAMILIES]
+                         + [("hf_qwen3", True, "model", "auto"), ("qwen2_5", True, "model", "auto"),
+                            ("qwen2_5", False, "layer", "auto"), ("qwen2_5", True, "layer", "auto"),
+                            ("hf_qwen3", False, "model", "regions"),
+                            ("qwen2_5", True, "model", "regions")])
 @torch._inductor.config.patch(fx_graph_cache=False)  # the counters below need a real compile
 @torch._functorch.config.patch(enable_autograd_cache=False)
-def test_bf16_model_matches_plain_model(family, checkpointing, region):
+def test_bf16_model_matches_plain_model(family, checkpointing, region, attention_backend):
     dk.counters.clear()
     vocab = 1024
     base = tiny_model(family, vocab=vocab, dim=256, max_seq_len=2048).cuda()
@@ -72,7 +74,8 @@ def test_bf16_model_matches_plain_model(family, checkpointing, region):
         enable_checkpointing(ours)
     tokens, mask, p = batch(0, vocab)
     adv = torch.linspace(-1, 1, tokens.shape[0], device="cuda")
-    wrapper = dk.optimize(ours, dk.DualKVConfig(compile_region=region))
+    wrapper = dk.optimize(ours, dk.DualKVConfig(compile_region=region,
+                                                attention_backend=attention_backend))
     r = logprobs_and_grads(lambda: row_by_row_response_logprobs(ref32, tokens, mask, p),
                            ref32, tokens, mask, p, adv)
     d = logprobs_and_grads(lambda: row_by_row_response_logprobs(plain, tokens, mask, p),
@@ -80,7 +83,8 @@ def test_bf16_model_matches_plain_model(family, checkpointing, region):
     o = logprobs_and_grads(lambda: wrapper.response_logprobs(tokens, prompt_len=p,
                                                              padding_mask=mask),
                            ours, tokens, mask, p, adv)
-    errs = {"family": family, "checkpointing": checkpointing, "region": region, "logprobs": {"ours": rel_err(o[0], r[0]), "dense_bf16": rel_err(d[0], r[0])},
+    errs = {"family": family, "checkpointing": checkpointing, "region": region,
+            "attention_backend": attention_backend, "logprobs": {"ours": rel_err(o[0], r[0]), "dense_bf16": rel_err(d[0], r[0])},
             "grads": {"ours": rel_err(o[1], r[1]), "dense_bf16": rel_err(d[1], r[1])},
             "counters": dict(dk.counters)}
     print(json.dumps(errs))

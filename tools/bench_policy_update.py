@@ -132,7 +132,7 @@ def main(argv=None):
                          "(its layers are inlined and recomputed; attention is saved)")
     ap.add_argument("--no-optimizer", action="store_true",
                     help="time response logprobs forward + backward only, no AdamW step")
-    ap.add_argument("--attention-backend", choices=["auto", "flash", "triton"], default="auto",
+    ap.add_argument("--attention-backend", choices=["auto", "flash", "triton", "regions"], default="auto",
                     help="the optimized model's attention kernel")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
