@@ -39,6 +39,17 @@ def test_inspect_shows_each_pass_and_writes_graphs_and_svg(tmp_path, capsys):
     assert "flex_attention" in labels
 
 
+def test_inspect_shows_the_regions_rewrite(tmp_path, capsys):
+    assert main(["inspect", "--model", "hf_qwen3", "--attention-backend", "regions",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    after = {part.split(" (")[0]: part for part in out.split("\n== ")}["after the attention rewrite"]
+    assert after.count("= regions_attention.default(") == 2
+    assert "flex_attention" not in after
+    assert "attention kernel: REGIONS on cpu" in out
+    assert "regions_attention" in (tmp_path / "attention_region.svg").read_text()
+
+
 def test_inspect_reports_a_refusal(monkeypatch, capsys):
     from dualkv_compile.passes import token_locality
     from dualkv_compile.passes._common import Refusal
@@ -122,7 +133,7 @@ def test_errors_exit_2_with_one_line(argv, message, capsys):
 
 
 FLAGS = {
-    "inspect": ["--group-size", "--groups", "--help", "--layers", "--model", "--out",
+    "inspect": ["--attention-backend", "--group-size", "--groups", "--help", "--layers", "--model", "--out",
                 "--prompt-len", "--response-len", "-h"],
     "mask": ["--group-size", "--groups", "--help", "--out", "--pad-to", "--prompt-len",
              "--ragged", "--response-len", "--scale", "-h"],

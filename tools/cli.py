@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--layers", type=_positive, default=None,
                      help="build the model with this many layers (default: as configured)")
     ins.add_argument("--out", default=None, help="write the graphs and an SVG here")
+    ins.add_argument("--attention-backend", default="auto",
+                     choices=["auto", "flash", "triton", "regions"],
+                     help="the attention the rewrite inserts: flex (auto/flash/triton) or the "
+                          "regions op")
 
     msk = subs.add_parser("mask", help="draw the block mask of a layout as a PNG")
     _layout(msk)

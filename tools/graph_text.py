@@ -77,11 +77,13 @@ def _region(attn: fx.Node, depth_in: int, depth_out: int) -> dict[fx.Node, int]:
 
 
 def attention_region_svg(gm: fx.GraphModule, depth_in: int = 3, depth_out: int = 2) -> str:
-    """SVG of the first flex_attention node with its inputs and users a few steps out."""
+    """SVG of the first attention node (flex_attention or the regions op) with its inputs and
+    users a few steps out."""
     attn = next((n for n in gm.graph.nodes
-                 if getattr(n.target, "__name__", "") == "flex_attention"), None)
+                 if getattr(n.target, "__name__", "") in ("flex_attention",
+                                                          "regions_attention.default")), None)
     if attn is None:
-        raise ValueError("the graph has no flex_attention node")
+        raise ValueError("the graph has no attention node (flex_attention or regions_attention)")
     level = _region(attn, depth_in, depth_out)
     columns: dict[int, list[fx.Node]] = {}
     for node, lv in level.items():

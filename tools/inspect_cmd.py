@@ -40,7 +40,9 @@ def run_inspect(args, out=print) -> int:
                                  vocab=max(vocab - args.groups - 2, 2), generator=g)
     tokens = tokens % vocab
     try:
-        wrapper = dk.optimize(model, dk.DualKVConfig(backend="aot_eager", fallback="error"))
+        config = dk.DualKVConfig(backend="aot_eager", fallback="error",
+                                 attention_backend=args.attention_backend)
+        wrapper = dk.optimize(model, config)
     except (TypeError, ValueError) as e:
         raise CliError(f"optimize() rejects {args.model}: {e}") from None
     stages: list[tuple[str, str, object]] = []
@@ -58,11 +60,14 @@ def run_inspect(args, out=print) -> int:
         f"T={packed.seq_len}, rho={packed.rho:.2f}")
     from dualkv_compile.attention_backend import describe_attention_backend
 
-    out(f"attention kernel: {describe_attention_backend(torch.device('cpu'))}")
+    asked = args.attention_backend
+    cpu = describe_attention_backend(torch.device("cpu"),
+                                     requested="regions" if asked == "regions" else "auto")
+    out(f"attention kernel: {cpu}")
     if torch.cuda.is_available():
         head_dim = _head_dim(model)
         out(f"attention kernel on this GPU: "
-            f"{describe_attention_backend(torch.device('cuda'), head_dim, torch.bfloat16)}")
+            f"{describe_attention_backend(torch.device('cuda'), head_dim, torch.bfloat16, asked)}")
     for stage, text, _ in stages:
         out(f"\n== {STAGES[stage]} ({text.count(chr(10))} lines) ==")
         out(text.rstrip("\n"))
