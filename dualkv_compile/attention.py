@@ -93,16 +93,22 @@ def shared_prefix_attention(
 
     q [1, Hq, T, D], k/v [1, Hkv, T, D] (Hkv divides Hq) -> [1, Hq, T, D]. A query sees earlier
     keys of its own segment and, for response tokens, its group's whole prompt. `scale`
-    defaults to 1/sqrt(D). `attention_backend` ("auto", "flash", "triton") picks the CUDA
+    defaults to 1/sqrt(D). `attention_backend` ("auto", "flash", "triton") picks the CUDA flex
     kernel (see attention_backend.py); `kernel_options` override the architecture's table entry
     (CUDA only; validated, unknown keys raise). "regions" runs dense kernels over the two KV
-    regions instead of flex (regions.py; cuDNN on CUDA, on any device).
+    regions instead of flex, on CUDA (cuDNN, bf16/fp16) and on CPU (regions.py).
     """
     _check(q, k, v, packed)
     if attention_backend == "regions":
         if kernel_options:
             raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
                              f"attention_backend='regions' does not use it")
+        if torch.compiler.is_compiling():  # inside a user's torch.compile: the opaque op
+            from .regions import regions_attention_op
+
+            seg, pre = (x[0].to(q.device) for x in (packed.segment_ids, packed.prefix_segment_ids))
+            return regions_attention_op(q, k, v, seg, pre,
+                                        q.shape[-1] ** -0.5 if scale is None else scale)[0]
         return two_region_attention(q, k, v, packed, scale=scale)
     if q.device.type == "cuda":
         return _flex_attention(q, k, v, packed, scale, kernel_options,

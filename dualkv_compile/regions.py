@@ -20,10 +20,12 @@ ragged responses in the own region), so the work is the ideal pair count.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .packing import PackedBatch
 
@@ -82,8 +84,11 @@ _STRIDED_BACKWARD = True
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
     if aux is None:
-        aux = _CUDNN_AUX.get(_aux_key(q, k, causal))
-        if aux is None:
+        key = _aux_key(q, k, causal)
+        aux = _CUDNN_AUX.get(key)
+        if aux is not None:
+            _CUDNN_AUX.move_to_end(key)
+        else:
             raise RuntimeError(f"regions attention: no cuDNN forward of q {tuple(q.shape)}, k "
                                f"{tuple(k.shape)} (causal={causal}) ran in this process before "
                                f"its backward")
@@ -96,10 +101,14 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
         max_k, 0.0, causal, scale=scale)
 
 
-# Regions with at most this many query-key pairs per head run the explicit math below on CUDA:
-# cuDNN refuses s_q = s_kv = 1 ("not supported", H100, cuDNN 9.19), and a launch of a fused
-# kernel costs more than the math at this size anyway.
+# Regions with at most this many query-key pairs per head, or a single query or key, run the
+# explicit math below on CUDA: cuDNN refuses s_q = s_kv = 1 ("not supported", H100, cuDNN 9.19),
+# and a launch of a fused kernel costs more than the math at this size anyway.
 MATH_MAX_PAIRS = 64 * 64
+
+
+def _use_math(q: Tensor, k: Tensor) -> bool:
+    return q.shape[2] * k.shape[2] <= MATH_MAX_PAIRS or min(q.shape[2], k.shape[2]) == 1
 
 
 def _wide(x: Tensor) -> Tensor:  # fp32, or wider if x is
@@ -139,13 +148,13 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, aux):
 
 
 def _cuda_forward(q, k, v, causal, scale):
-    if q.shape[2] * k.shape[2] <= MATH_MAX_PAIRS:
+    if _use_math(q, k):
         return _math_forward(q, k, v, causal, scale)
     return _cudnn_forward(q, k, v, causal, scale)
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, scale, aux):
-    if q.shape[2] * k.shape[2] <= MATH_MAX_PAIRS:
+    if _use_math(q, k):
         return _math_backward(dout, q, k, v, out, lse, causal, scale, aux)
     return _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux)
 
@@ -246,9 +255,10 @@ def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
             groups.append(((s, e), []))
             prompt_id = sid
         else:
-            if pid != prompt_id:  # responses whose prompt has no tokens here
-                groups.append(((s, s), []))
-                prompt_id = pid
+            if pid != prompt_id:
+                raise ValueError(f"segment tables: the response at tokens [{s}, {e}) names "
+                                 f"prompt segment {pid}, which is not the prompt before it; "
+                                 f"tables from dualkv_compile.pack() always put it there")
             groups[-1][1].append((s, e))
     return _plan(groups, segment_ids.device)
 
@@ -279,7 +289,7 @@ def _merge(o_x, l_x, o_own, l_own):
 
 
 def _write(dst: Tensor, a: Tensor, b: Tensor | None = None) -> None:
-    """dst = a (+ b): each gradient is rounded once, after the sum."""
+    """dst = a (+ b), summed in fp32 and rounded to dst's dtype once."""
     if b is None:
         dst.copy_(a)
     else:
@@ -359,6 +369,7 @@ class _TwoRegionAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = regions_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.aux)
@@ -378,13 +389,32 @@ def two_region_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch,
 
 # ---- the same as one opaque op, for compiled graphs (optimize(attention_backend="regions")) ---
 # The layout enters as the 1-D segment tables the graph already has; the plan is read from them
-# on each call (one host synchronisation). Backward is a second op, so AOTAutograd partitions
+# once per micro-batch (one host synchronisation). Backward is a second op, so AOTAutograd partitions
 # the pair like any attention.
+
+# Every layer's call (forward and backward) gets the same segment tables of one micro-batch: the
+# plan is read once per pair of table objects. An entry holds weak references, so it is found
+# only while those very objects are alive and unmodified; ids of live objects are unique.
+_PLANS: dict[tuple[int, int], tuple] = {}
+
+
+def _plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
+    key = (id(segment_ids), id(prefix_segment_ids))
+    versions = (segment_ids._version, prefix_segment_ids._version)
+    hit = _PLANS.get(key)
+    if hit and hit[0]() is segment_ids and hit[1]() is prefix_segment_ids and hit[2] == versions:
+        return hit[3]
+    for stale in [k for k, e in _PLANS.items() if e[0]() is None or e[1]() is None]:
+        del _PLANS[stale]
+    plan = plan_of_segments(segment_ids, prefix_segment_ids)
+    _PLANS[key] = (weakref.ref(segment_ids), weakref.ref(prefix_segment_ids), versions, plan)
+    return plan
+
 
 @torch.library.custom_op("dualkv::regions_attention", mutates_args=())
 def regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
                          prefix_segment_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse, _ = regions_forward(q, k, v, plan_of_segments(segment_ids, prefix_segment_ids),
+    out, lse, _ = regions_forward(q, k, v, _plan_of_tables(segment_ids, prefix_segment_ids),
                                   scale)
     return out, lse
 
@@ -398,7 +428,7 @@ def _(q, k, v, segment_ids, prefix_segment_ids, scale):
 def regions_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                   lse: Tensor, segment_ids: Tensor, prefix_segment_ids: Tensor,
                                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    plan = plan_of_segments(segment_ids, prefix_segment_ids)
+    plan = _plan_of_tables(segment_ids, prefix_segment_ids)
     return regions_backward(dout, q, k, v, out, lse, plan, scale)
 
 
@@ -410,10 +440,11 @@ def _(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale):
 def _setup_context(ctx, inputs, output):
     q, k, v, segment_ids, prefix_segment_ids, scale = inputs
     ctx.save_for_backward(q, k, v, segment_ids, prefix_segment_ids, *output)
+    ctx.mark_non_differentiable(output[1])  # lse is for the backward only
     ctx.scale = scale
 
 
-def _backward(ctx, dout, dlse):  # lse is internal: the rewritten graph reads only out
+def _backward(ctx, dout, dlse):
     q, k, v, segment_ids, prefix_segment_ids, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.dualkv.regions_attention_backward(
         dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, ctx.scale)

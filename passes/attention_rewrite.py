@@ -165,11 +165,19 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids) -
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
+        q, k, v = (example(args[x]) for x in ("query", "key", "value"))
+        if q.device.type == "cuda" and q.dtype not in (torch.bfloat16, torch.float16):
+            raise Refusal(f"attention at {source_line(node)} is {q.dtype}; "
+                          f"attention_backend='regions' runs cuDNN on CUDA, which needs bf16 "
+                          f"or fp16")
+        if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+            raise Refusal(f"attention at {source_line(node)} has head dims q {q.shape[-1]}, "
+                          f"k {k.shape[-1]}, v {v.shape[-1]}; the regions op needs them equal")
         with graph.inserting_before(node):
             op = graph.call_function(
                 regions_attention_op._opoverload,
                 (args["query"], args["key"], args["value"], segment_ids, prefix_segment_ids,
-                 _scale(args, example(args["query"]))),
+                 _scale(args, q)),
             )
             out = graph.call_function(operator.getitem, (op, 0))
         _replace(node, out)

@@ -35,14 +35,14 @@ def save_attention(graph: fx.Graph) -> int:
     from dualkv_compile.regions import regions_attention_op
 
     targets = {torch.ops.higher_order.flex_attention, regions_attention_op._opoverload}
-    flex = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
-    for node in flex:
+    attention = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    for node in attention:
         tagged = [a for a in node.args[:3] if isinstance(a, fx.Node) and a.op == "call_function"]
         tagged += [node] + [u for u in node.users if u.target is operator.getitem]
         for t in tagged:
             t.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    counters["attention_saved"] += len(flex)
-    return len(flex)
+    counters["attention_saved"] += len(attention)
+    return len(attention)
 
 
 class SaveAttentionPass(CustomGraphPass):

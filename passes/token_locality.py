@@ -233,7 +233,7 @@ class _Proof:
         if node.op in ("placeholder", "get_attr", "output"):
             return self.axis.get(node)
         inputs = node.all_input_nodes
-        if any(a in self.layout for a in inputs) and not _is_flex(node):
+        if any(a in self.layout for a in inputs) and not _is_attention(node):
             self.refuse(node, "it reads the packed-layout tables, which only attention may use")
         carried = [a for a in inputs if self.tok(a) is not None]
         if not carried:
@@ -243,7 +243,7 @@ class _Proof:
         first = node.args[0] if node.args else None
         inp = example(first) if isinstance(first, fx.Node) else None
         ax = self.tok(first)
-        if _is_flex(node):
+        if _is_attention(node):
             return [2, 2]  # (out [1, H, T, D], logsumexp [1, H, T])
         if name in _SHAPE_QUERIES or not isinstance(out, (Tensor, list, tuple)):
             return None
@@ -301,7 +301,7 @@ class _Proof:
                                       f"{tuple(out.shape)} is not T={self.t})")
 
 
-def _is_flex(node: fx.Node) -> bool:
+def _is_attention(node: fx.Node) -> bool:
     """The rewritten attention: the flex_attention HOP, or the regions op (regions.py)."""
     if node.op != "call_function":
         return False

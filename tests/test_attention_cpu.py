@@ -205,3 +205,53 @@ def test_regions_custom_op_matches_replicated_fp64():
     torch.library.opcheck(torch.ops.dualkv.regions_attention.default,
                           (q.detach().requires_grad_(), k.detach().requires_grad_(),
                            v.detach().requires_grad_(), seg, pre, 0.5))
+
+
+def test_regions_plan_indices_and_a_misplaced_response_raises():
+    from dualkv_compile.regions import plan_of_packed, plan_of_segments
+
+    g = torch.Generator().manual_seed(3)
+    tokens, mask, p = make_batch([4, 6], [[3, 0, 5], [2, 2]], shuffle=True, generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    a = plan_of_segments(pb.segment_ids[0], pb.prefix_segment_ids[0])
+    b = plan_of_packed(pb, torch.device("cpu"))
+    for (_, ra), (_, rb) in zip(a, b):
+        if ra is not None and ra.idx is not None:  # ragged: the gather indices agree too
+            assert torch.equal(ra.idx, rb.idx) and torch.equal(ra.valid, rb.valid)
+    seg, pre = pb.segment_ids[0].clone(), pb.prefix_segment_ids[0].clone()
+    first_response = int((seg != pre).nonzero()[0])
+    pre[first_response:first_response + 3] = seg[-1]  # names a prompt that is not before it
+    with pytest.raises(ValueError, match="which is not the prompt before it"):
+        plan_of_segments(seg, pre)
+
+
+def test_regions_op_lse_is_not_differentiable_and_double_backward_is_refused():
+    g = torch.Generator().manual_seed(4)
+    tokens, mask, p = make_batch([5], [[3, 4]], generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 2, 1, 4, dtype=torch.float64, device="cpu", generator=g)
+    q.requires_grad_()
+    out, lse = torch.ops.dualkv.regions_attention(q, k, v, pb.segment_ids[0],
+                                                  pb.prefix_segment_ids[0], 0.5)
+    assert out.requires_grad and not lse.requires_grad
+    out = shared_prefix_attention(q, k, v, pb, attention_backend="regions")
+    (gq,) = torch.autograd.grad((out * cot).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        gq.sum().backward()
+
+
+def test_regions_inside_a_users_torch_compile_fullgraph():
+    """Traced by Dynamo, the op becomes the opaque regions op (fp64, aot_eager)."""
+    g = torch.Generator().manual_seed(5)
+    tokens, mask, p = make_batch([7, 3], [[5, 0, 9], [4]], shuffle=True, generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 4, 2, 8, dtype=torch.float64, device="cpu", generator=g)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v, packed: shared_prefix_attention(q, k, v, packed,
+                                                        attention_backend="regions"),
+        backend="aot_eager", fullgraph=True)
+    ours = packed_forward_backward(compiled, q, k, v, pb, cot)
+    ref = replicated_forward_backward(q, k, v, pb, mask, cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
