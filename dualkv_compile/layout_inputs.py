@@ -32,11 +32,15 @@ def _(tokens, positions, tables):
 ANCHOR = torch.ops.dualkv.layout_anchor.default
 
 
-def layout_tables(packed: PackedBatch, device) -> tuple[list[Tensor], tuple]:
+def layout_tables(packed: PackedBatch, device,
+                  block_mask: bool = True) -> tuple[list[Tensor], tuple | None]:
     """(tables, template): tables = [segment_ids, prefix_segment_ids, *BlockMask tensors];
-    template = the BlockMask's as_tuple() whose tensors the pass replaces by graph inputs."""
-    bm = shared_prefix_block_mask(packed, device)
-    template = bm.as_tuple()
+    template = the BlockMask's as_tuple() whose tensors the pass replaces by graph inputs.
+    block_mask=False (the regions backend, which reads the segment tables only): no BlockMask,
+    tables = [segment_ids, prefix_segment_ids], template None."""
     seg = packed.segment_ids[0].to(device)
     pre = packed.prefix_segment_ids[0].to(device)
+    if not block_mask:
+        return [seg, pre], None
+    template = shared_prefix_block_mask(packed, device).as_tuple()
     return [seg, pre, *(x for x in template if isinstance(x, Tensor))], template

@@ -127,7 +127,8 @@ class DualKVModel(nn.Module):
     def _run_packed(self, packed: PackedBatch, mode: str) -> Tensor:
         """logits [1, T, V] (mode "logits") or final hidden states [1, T, d] ("hidden")."""
         device = packed.tokens.device
-        tables, template = layout_tables(packed, device)
+        tables, template = layout_tables(
+            packed, device, block_mask=self.config.attention_backend != "regions")
         if self.compile_region() == "layer":
             return self._run_layers(packed, mode, tables, template)
         compiled = self._compiled_call(mode, functools.partial(self._traced, mode), device)

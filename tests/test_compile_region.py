@@ -39,14 +39,16 @@ def _checkpointed(model):
     return model
 
 
-@pytest.mark.parametrize("family,checkpointed", [("qwen2_5", False), ("llama3_2", False),
-                                                 ("qwen2_5", True)])
-def test_layer_region_matches_row_by_row(family, checkpointed):
+@pytest.mark.parametrize("family,checkpointed,attention_backend",
+                         [("qwen2_5", False, "auto"), ("llama3_2", False, "auto"),
+                          ("qwen2_5", True, "auto"), ("qwen2_5", True, "regions")])
+def test_layer_region_matches_row_by_row(family, checkpointed, attention_backend):
     model = same_dtype_numerics(tiny_model(family)).double()
     if checkpointed:
         model = _checkpointed(model)
     tokens, mask, p = batch()
-    wrapper = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
+    wrapper = dk.optimize(model, dk.DualKVConfig(compile_region="layer",
+                                                 attention_backend=attention_backend))
     assert wrapper.compile_region() == "layer"
 
     logits = wrapper(tokens, prompt_len=p, padding_mask=mask)

@@ -34,8 +34,9 @@ def run(tmp_path, name, config=CONFIG, **overrides):
     return recipe
 
 
-def test_dualkv_on_and_off_agree_at_every_step(tmp_path):
-    on = run(tmp_path, "on", num_steps=3)
+@pytest.mark.parametrize("attention_backend", ["auto", "regions"])
+def test_dualkv_on_and_off_agree_at_every_step(tmp_path, attention_backend):
+    on = run(tmp_path, "on", num_steps=3, **{"dualkv.attention_backend": attention_backend})
     off = run(tmp_path, "off", num_steps=3, **{"dualkv.enabled": False})
     assert on.policy.uses_dualkv and not off.policy.uses_dualkv
     assert len(on.history) == len(off.history) == 3
