@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from .packing import PackedBatch
 
-__all__ = ["two_region_attention", "region_kernel_name", "regions_attention_op"]
+__all__ = ["two_region_attention", "regions_attention_op"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -157,10 +157,6 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale, aux):
     if _use_math(q, k):
         return _math_backward(dout, q, k, v, out, lse, causal, scale, aux)
     return _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux)
-
-
-def region_kernel_name(device: torch.device) -> str:
-    return "cuDNN" if device.type == "cuda" else "CPU flash (aten)"
 
 
 def _kernels(q: Tensor):
