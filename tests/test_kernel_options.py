@@ -134,3 +134,7 @@ def test_the_cli_line_names_the_kernel_and_the_reason(fake_gpu):
     line = describe_attention_backend(dev, 128, torch.bfloat16)
     assert line.startswith("TRITON on cuda:0") and "flash-attn-4 is not installed" in line
     assert describe_attention_backend(torch.device("cpu")).startswith("CPU reference")
+    assert describe_attention_backend(dev, 128, torch.bfloat16, "regions").startswith(
+        "REGIONS on cuda:0 (requested 'regions'; cuDNN")
+    assert "cuDNN computes in bf16/fp16, not torch.float32" in describe_attention_backend(
+        dev, 128, torch.float32, "regions")
