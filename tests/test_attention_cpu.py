@@ -255,3 +255,20 @@ def test_regions_inside_a_users_torch_compile_fullgraph():
     ref = replicated_forward_backward(q, k, v, pb, mask, cot)
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_major_strided_inputs(backend):
+    """q/k/v as models produce them: [1, T, H, D] tensors seen as [1, H, T, D] (transposed
+    views), the layout the compiled graph hands the attention."""
+    g = torch.Generator().manual_seed(13)
+    tokens, mask, p = make_batch([20, 6], [[9, 9, 9], [3, 12]], shuffle=True, generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 6, 2, 8, dtype=torch.float64, device="cpu", generator=g)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not q.is_contiguous()
+    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
+                                   attention_backend=backend)
+    ref = replicated_forward_backward(q, k, v, pb, mask, cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))

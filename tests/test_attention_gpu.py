@@ -41,11 +41,14 @@ def backend(request):
     return request.param
 
 
-def compare_bf16(prompts, responses, hq, hkv, d, seed, backend, shuffle=True):
+def compare_bf16(prompts, responses, hq, hkv, d, seed, backend, shuffle=True,
+                 token_major=False):
     g = torch.Generator().manual_seed(seed)
     tokens, mask, p = make_batch(prompts, responses, shuffle=shuffle, generator=g, device="cuda")
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
     q, k, v, cot = random_qkv(pb, hq, hkv, d, dtype=torch.bfloat16, device="cuda", generator=g)
+    if token_major:  # [1, T, H, D] tensors seen as [1, H, T, D], as models hand them over
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
                                    attention_backend=backend)
     dense = replicated_forward_backward(q, k, v, pb, mask, cot)
@@ -86,6 +89,11 @@ def test_bf16_matches_replicated(prompts, responses, hq, hkv, d, backend):
             compare_bf16(prompts, responses, hq, hkv, d, seed=1, backend=backend)
         return
     compare_bf16(prompts, responses, hq, hkv, d, seed=len(prompts) * 1000 + d, backend=backend)
+
+
+@pytest.mark.parametrize("responses", [[[512] * 8], [[700, 1, 64, 300]]])
+def test_bf16_token_major_strided_inputs(responses, backend):
+    compare_bf16([1000], responses, 16, 4, 128, seed=17, backend=backend, token_major=True)
 
 
 def test_bf16_long_context_32k_prompt(backend):
