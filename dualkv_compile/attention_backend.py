@@ -88,7 +88,9 @@ def describe_attention_backend(device: torch.device, head_dim: int | None = None
                                dtype: torch.dtype | None = None, requested: str = "auto") -> str:
     """One line for the CLI: which kernel `requested` gives on `device`, and why."""
     if requested == "regions":
-        if device.type == "cuda" and dtype not in (None, torch.bfloat16, torch.float16):
+        from .regions import CUDNN_DTYPES
+
+        if device.type == "cuda" and dtype is not None and dtype not in CUDNN_DTYPES:
             return f"REGIONS cannot run on {device}: cuDNN computes in bf16/fp16, not {dtype}"
         kernel = "cuDNN" if device.type == "cuda" else "PyTorch's CPU flash kernel"
         return f"REGIONS on {device} (requested 'regions'; {kernel} over the two KV regions)"

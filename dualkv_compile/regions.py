@@ -29,12 +29,12 @@ from torch.autograd.function import once_differentiable
 
 from .packing import PackedBatch
 
-__all__ = ["two_region_attention", "regions_attention_op"]
+__all__ = ["CUDNN_DTYPES", "two_region_attention", "regions_attention_op"]
 
-_HALF = (torch.bfloat16, torch.float16)
+CUDNN_DTYPES = (torch.bfloat16, torch.float16)  # what the CUDA kernels (cuDNN) compute in
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:  # fp32, or fp64 for fp64 inputs
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:  # fp32, or fp64 for fp64 inputs
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -49,7 +49,7 @@ def _cpu_forward(q, k, v, causal, scale):
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale, aux):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.to(_lse_dtype(q.dtype)), 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse.to(_acc_dtype(q.dtype)), 0.0, causal, scale=scale)
 
 
 # cuDNN's backward takes the forward's sequence tables, sizes and dropout seeds. They depend on
@@ -112,7 +112,7 @@ def _use_math(q: Tensor, k: Tensor) -> bool:
 
 
 def _wide(x: Tensor) -> Tensor:  # fp32, or wider if x is
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(_acc_dtype(x.dtype))
 
 
 def _math_scores(q, k, causal, scale):
@@ -161,7 +161,7 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale, aux):
 
 def _kernels(q: Tensor):
     if q.device.type == "cuda":
-        if q.dtype not in _HALF:
+        if q.dtype not in CUDNN_DTYPES:
             raise ValueError(f"attention_backend='regions' runs cuDNN on CUDA, which computes in "
                              f"bf16/fp16, not {q.dtype}")
         return _cuda_forward, _cuda_backward
@@ -302,7 +302,7 @@ def regions_forward(q, k, v, plan, scale):
     """-> (out [1, Hq, T, D], lse [1, Hq, T], aux: one entry per kernel call, for backward)."""
     fwd, _ = _kernels(q)
     out = _new(q)
-    lse = torch.empty(q.shape[:3], dtype=_lse_dtype(q.dtype), device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=_acc_dtype(q.dtype), device=q.device)
     aux = []
     for prompt, resp in plan:
         has_prompt = prompt[1] > prompt[0]
@@ -417,7 +417,7 @@ def regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
 
 @regions_attention_op.register_fake
 def _(q, k, v, segment_ids, prefix_segment_ids, scale):
-    return _new(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+    return _new(q), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("dualkv::regions_attention_backward", mutates_args=())

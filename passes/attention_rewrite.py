@@ -160,13 +160,13 @@ def _replace(node: fx.Node, out: fx.Node) -> None:
 
 def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids) -> None:
     """SDPA -> torch.ops.dualkv.regions_attention (regions.py), fed the 1-D segment tables."""
-    from dualkv_compile.regions import regions_attention_op
+    from dualkv_compile.regions import CUDNN_DTYPES, regions_attention_op
 
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
-        if q.device.type == "cuda" and q.dtype not in (torch.bfloat16, torch.float16):
+        if q.device.type == "cuda" and q.dtype not in CUDNN_DTYPES:
             raise Refusal(f"attention at {source_line(node)} is {q.dtype}; "
                           f"attention_backend='regions' runs cuDNN on CUDA, which needs bf16 "
                           f"or fp16")
