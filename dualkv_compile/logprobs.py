@@ -1,12 +1,20 @@
 """Logprobs of chosen tokens through the LM head, in chunks.
 
-Per chunk of positions: logits = h @ W.T in the model's dtype, upcast to float32 (float64 for a
-float64 model), divided by the temperature; logprob = logit[target] - logsumexp. The backward
-recomputes each chunk's logits instead of storing them, so the peak extra memory is one
-[chunk, vocab] block, never [positions, vocab].
+Per chunk of positions: logits = h @ W.T in the model's dtype; then, in float32 (float64 for a
+float64 model), logits / temperature, logprob = logit[target] - logsumexp. The backward
+recomputes each chunk's logits instead of storing them, so the peak extra memory is one or two
+[chunk, vocab] blocks in the model's dtype, never [positions, vocab].
+
+On CUDA the per-chunk elementwise work (upcast, temperature, log-sum-exp, pick; and in the
+backward onehot - softmax, scaled and cast back) runs as two Inductor-fused kernels that read the
+logits once instead of a dozen eager passes over float32 copies, and the weight gradient is
+accumulated in float32 by the GEMM itself (addmm with out_dtype). The eager path runs the very
+same functions on CPU and is the reference the GPU test compares against.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -18,17 +26,60 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _onehot(logits: Tensor, targets: Tensor) -> Tensor:
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    return vocab[None, :] == targets[:, None]
+
+
+def _chunk_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """logits [c, V] (model dtype) -> (logprob of each target, logsumexp), both [c], wide."""
+    z = logits.to(_wide(logits.dtype)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    picked = torch.where(_onehot(logits, targets), z, 0).sum(-1)
+    return picked - lse, lse
+
+
+def _chunk_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad_out: Tensor,
+                temperature: float) -> Tensor:
+    """d(sum grad_out * logprob) / d logits, [c, V] in the logits' dtype: (onehot(target) -
+    softmax) * grad_out / temperature."""
+    z = logits.to(lse.dtype) / temperature
+    g = _onehot(logits, targets).to(lse.dtype) - torch.exp(z - lse[:, None])
+    return (g * (grad_out[:, None] / temperature)).to(logits.dtype)
+
+
+@functools.cache
+def _fused(fn):
+    # once per process (module scope, never per call); dynamic: the last chunk's length varies
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _kernels(device: torch.device):
+    if device.type == "cuda":
+        return _fused(_chunk_stats), _fused(_chunk_grad)
+    return _chunk_stats, _chunk_grad
+
+
+def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
+    """acc [V, d] (wide) += g.T @ h, the product accumulated in float32 by the GEMM."""
+    if acc.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32:
+        torch.addmm(acc, g.T, h, out_dtype=torch.float32, out=acc)
+    elif g.dtype == acc.dtype:
+        acc.addmm_(g.T, h)
+    else:
+        acc += (g.T @ h).to(acc.dtype)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk):
+        stats, _ = _kernels(hidden.device)
         wide = _wide(hidden.dtype)
         out = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], chunk):
-            logits = (hidden[s:s + chunk] @ weight.T).to(wide) / temperature
-            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, targets[s:s + chunk, None])[:, 0]
-            out[s:s + chunk] = picked - lse[s:s + chunk]
+            out[s:s + chunk], lse[s:s + chunk] = stats(hidden[s:s + chunk] @ weight.T,
+                                                       targets[s:s + chunk], temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
@@ -36,31 +87,29 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, lse = ctx.saved_tensors
+        _, grad_fn = _kernels(hidden.device)
         t, chunk = ctx.temperature, ctx.chunk
-        wide = lse.dtype
+        grad_out = grad_out.to(lse.dtype)
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) \
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
-            logits = (h @ weight.T).to(wide) / t
-            # d logprob / d logits = onehot(target) - softmax, scaled by 1/temperature
-            g = -torch.exp(logits - lse[s:s + chunk, None])
-            g.scatter_add_(1, targets[s:s + chunk, None], torch.ones_like(g[:, :1]))
+            h = hidden[s:s + chunk].to(weight.dtype)
             # the matmuls run in the model's dtype (tensor cores for bf16; they accumulate in
-            # fp32), the per-chunk weight gradients are summed in the wide dtype
-            g = (g * (grad_out[s:s + chunk, None] / t)).to(weight.dtype)
+            # fp32); the weight gradient is summed over chunks in the wide dtype
+            g = grad_fn(h @ weight.T, lse[s:s + chunk], targets[s:s + chunk],
+                        grad_out[s:s + chunk], t)
             if grad_h is not None:
                 grad_h[s:s + chunk] = (g @ weight).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += (g.T @ h.to(weight.dtype)).to(wide)
+                _accumulate_weight_grad(grad_w, g, h)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
-                     temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+                     temperature: float = 1.0, chunk_size: int = 4096) -> Tensor:
     """hidden [M, d], weight [V, d], targets [M] -> log softmax(hidden @ weight.T / t)[target],
     [M] in float32 (float64 for float64 inputs)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:

@@ -35,3 +35,21 @@ def test_bad_arguments():
                          temperature=0)
     with pytest.raises(ValueError, match=r"got \(2, 3\) and \(4, 5\)"):
         chunked_logprobs(torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, dtype=torch.long))
+
+
+def test_fused_chunk_kernels_compiled_match_eager():
+    # what runs on CUDA (the chunk functions under torch.compile) against the eager functions,
+    # here compiled by Inductor for the CPU in float64; ragged last chunk, temperature != 1
+    from dualkv_compile import logprobs as lp
+
+    g = torch.Generator().manual_seed(3)
+    for rows in (5, 3):
+        logits = torch.randn(rows, 97, dtype=torch.float64, generator=g) * 4
+        targets = torch.randint(0, 97, (rows,), generator=g)
+        grad_out = torch.randn(rows, dtype=torch.float64, generator=g)
+        out, lse = lp._fused(lp._chunk_stats)(logits, targets, 0.7)
+        ref_out, ref_lse = lp._chunk_stats(logits, targets, 0.7)
+        assert rel_err(out, ref_out) < 1e-13 and rel_err(lse, ref_lse) < 1e-13
+        grad = lp._fused(lp._chunk_grad)(logits, lse, targets, grad_out, 0.7)
+        ref = torch.func.grad(lambda x: (lp._chunk_stats(x, targets, 0.7)[0] * grad_out).sum())(logits)
+        assert rel_err(grad, ref) < 1e-13

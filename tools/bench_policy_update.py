@@ -51,9 +51,12 @@ def useful_flops(model, n, p, r) -> float:
     return 6 * layer_params * packed_tokens + attn + 6 * v * d * n * r
 
 
-def grpo_loss(lp, mask, p, adv):
+def grpo_loss(lp, mask, p, adv, total_valid=None):
+    """GRPO-style loss over these rows, normalised by `total_valid` response tokens (default:
+    these rows' own), so micro-batches' losses sum to the whole batch's."""
     valid = mask[:, p:].float()
-    return ((-adv[:, None] * torch.exp(lp - lp.detach()) + 0.04 * lp.pow(2)) * valid).sum() / valid.sum()
+    total = valid.sum() if total_valid is None else total_valid
+    return ((-adv[:, None] * torch.exp(lp - lp.detach()) + 0.04 * lp.pow(2)) * valid).sum() / total
 
 
 def set_checkpointing(model, on: bool) -> None:
@@ -67,13 +70,19 @@ def set_checkpointing(model, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def one_step(model, wrapper, tokens, mask, p, adv, opt) -> tuple[float, float]:
-    """(seconds, peak GiB) of one step; `opt` None: forward + backward only (`model` bench)."""
+def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None) -> tuple[float, float]:
+    """(seconds, peak GiB) of one step; `opt` None: forward + backward only (`model` bench).
+    `micro_rows`: forward + backward in micro-batches of that many rows with the gradients
+    accumulated (the same gradient), as a trainer runs a batch that does not fit at once."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-    grpo_loss(lp, mask, p, adv).backward()
+    rows = micro_rows or tokens.shape[0]
+    total_valid = mask[:, p:].sum()
+    for s in range(0, tokens.shape[0], rows):
+        sl = slice(s, s + rows)
+        lp = wrapper.response_logprobs(tokens[sl], prompt_len=p, padding_mask=mask[sl])
+        grpo_loss(lp, mask[sl], p, adv[sl], total_valid).backward()
     if opt is not None:
         opt.step()
     model.zero_grad(set_to_none=True)
@@ -86,13 +95,13 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
     (plain, dualkv, plain, ...) when both use the same checkpointing, else back to back. A
     variant that runs out of memory is reported as OOM."""
     results, live = {}, []
-    for name, (checkpointing, wrapper) in variants.items():
+    for name, (checkpointing, wrapper, micro) in variants.items():
         set_checkpointing(model, checkpointing)
         torch.cuda.empty_cache()
         try:
-            first, _ = one_step(model, wrapper, tokens, mask, p, adv, opt)
+            first, _ = one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
             for _ in range(warmup - 1):
-                one_step(model, wrapper, tokens, mask, p, adv, opt)
+                one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
             results[name] = {"first_step_s": first, "step_ms_all": [], "peak_gib": 0.0}
             live.append(name)
         except torch.OutOfMemoryError:
@@ -104,9 +113,9 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
     order = [name for _ in range(steps) for name in live] if same else \
         [name for name in live for _ in range(steps)]
     for name in order:
-        checkpointing, wrapper = variants[name]
+        checkpointing, wrapper, micro = variants[name]
         set_checkpointing(model, checkpointing)
-        sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt)
+        sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
         results[name]["step_ms_all"].append(sec * 1e3)
         results[name]["peak_gib"] = max(results[name]["peak_gib"], peak)
     for name in live:
@@ -130,6 +139,10 @@ def main(argv=None):
     ap.add_argument("--dualkv-checkpointing", choices=["on", "off"], default="on",
                     help="the same transformers gradient checkpointing for the optimized model "
                          "(its layers are inlined and recomputed; attention is saved)")
+    ap.add_argument("--plain-micro-batch", type=int, default=None, metavar="ROWS",
+                    help="run the plain model's forward + backward in micro-batches of ROWS "
+                         "rows with gradient accumulation (same gradient), for shapes whose "
+                         "whole replicated batch does not fit; default: all rows at once")
     ap.add_argument("--no-optimizer", action="store_true",
                     help="time response logprobs forward + backward only, no AdamW step")
     ap.add_argument("--attention-backend", choices=["auto", "flash", "triton", "regions"], default="auto",
@@ -151,7 +164,8 @@ def main(argv=None):
             "params": sum(q.numel() for q in model.parameters()),
             "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing,
             "dualkv_checkpointing": args.dualkv_checkpointing, "optimizer": not args.no_optimizer,
-            "attention_backend": args.attention_backend}
+            "attention_backend": args.attention_backend,
+            "plain_micro_batch": args.plain_micro_batch}
     rows = []
     for n, p, r in args.shapes:
         g = torch.Generator().manual_seed(0)
@@ -164,10 +178,10 @@ def main(argv=None):
                "useful_tflop": useful_flops(model, n, p, r) / 1e12}
         variants = {
             "plain": (args.plain_checkpointing == "on",
-                      dk.optimize(model, dk.DualKVConfig(enabled=False))),
+                      dk.optimize(model, dk.DualKVConfig(enabled=False)), args.plain_micro_batch),
             "dualkv": (args.dualkv_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(
                 activation_memory_budget=args.memory_budget,
-                attention_backend=args.attention_backend))),
+                attention_backend=args.attention_backend)), None),
         }
         for name, res in run_variants(variants, model, tokens, mask, p, adv, opt,
                                       args.steps, args.warmup).items():
@@ -181,21 +195,21 @@ def main(argv=None):
             row["speedup_over_rho"] = row["speedup"] / row["rho"]
         rows.append(row)
         if args.profile and len(rows) == 1:
-            for name, (checkpointing, wrapper) in variants.items():
+            for name, (checkpointing, wrapper, micro) in variants.items():
                 set_checkpointing(model, checkpointing)
-                profile_step(name, model, wrapper, tokens, mask, p, adv, opt)
+                profile_step(name, model, wrapper, tokens, mask, p, adv, opt, micro)
     table = markdown(meta, rows)
     print(table)
     write_results(args.out, meta, rows, table)
 
 
-def profile_step(name, model, wrapper, tokens, mask, p, adv, opt):
+def profile_step(name, model, wrapper, tokens, mask, p, adv, opt, micro=None):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        one_step(model, wrapper, tokens, mask, p, adv, opt)
+        one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
     print(f"--- profile: {name} ---")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
 
 
 def _f(x, spec):
@@ -210,7 +224,9 @@ def markdown(meta, rows):
             f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
             f"{meta['triton']}, transformers {meta['transformers']}; median of {meta['steps']} "
             f"steps after {meta['warmup']} warm-up (interleaved when both sides checkpoint alike). Plain: SDPA, transformers gradient "
-            f"checkpointing {meta.get('plain_checkpointing', 'on')}. dualkv: transformers gradient "
+            f"checkpointing {meta.get('plain_checkpointing', 'on')}"
+            + (f", micro-batches of {meta['plain_micro_batch']} rows with gradient accumulation"
+               if meta.get("plain_micro_batch") else "") + ". dualkv: transformers gradient "
             f"checkpointing {meta.get('dualkv_checkpointing', 'off')}, "
             f"activation_memory_budget={meta['memory_budget']}, attention backend "
             f"{meta.get('attention_backend', 'auto')}.\n\n")
