@@ -31,8 +31,9 @@ def _onehot(logits: Tensor, targets: Tensor) -> Tensor:
     return vocab[None, :] == targets[:, None]
 
 
-def _chunk_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """logits [c, V] (model dtype) -> (logprob of each target, logsumexp), both [c], wide."""
+def _chunk_stats(logits: Tensor, targets: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor]:
+    """logits [c, V] (model dtype), temperature 0-d (wide) -> (logprob of each target,
+    logsumexp), both [c], wide."""
     z = logits.to(_wide(logits.dtype)) / temperature
     lse = torch.logsumexp(z, dim=-1)
     picked = torch.where(_onehot(logits, targets), z, 0).sum(-1)
@@ -40,7 +41,7 @@ def _chunk_stats(logits: Tensor, targets: Tensor, temperature: float) -> tuple[T
 
 
 def _chunk_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad_out: Tensor,
-                temperature: float) -> Tensor:
+                temperature: Tensor) -> Tensor:
     """d(sum grad_out * logprob) / d logits, [c, V] in the logits' dtype: (onehot(target) -
     softmax) * grad_out / temperature."""
     z = logits.to(lse.dtype) / temperature
@@ -50,7 +51,8 @@ def _chunk_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad_out: Tensor,
 
 @functools.cache
 def _fused(fn):
-    # once per process (module scope, never per call); dynamic: the last chunk's length varies
+    # once per process (module scope, never per call); dynamic: the last chunk's length varies;
+    # the temperature is a 0-d tensor, so a new value is no recompile
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
@@ -77,18 +79,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
         wide = _wide(hidden.dtype)
         out = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         lse = torch.empty_like(out)
+        t = torch.full((), temperature, dtype=wide, device=hidden.device)  # a fill, no sync
         for s in range(0, hidden.shape[0], chunk):
             out[s:s + chunk], lse[s:s + chunk] = stats(hidden[s:s + chunk] @ weight.T,
-                                                       targets[s:s + chunk], temperature)
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+                                                       targets[s:s + chunk], t)
+        ctx.save_for_backward(hidden, weight, targets, lse, t)
+        ctx.chunk = chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, t = ctx.saved_tensors
         _, grad_fn = _kernels(hidden.device)
-        t, chunk = ctx.temperature, ctx.chunk
+        chunk = ctx.chunk
         grad_out = grad_out.to(lse.dtype)
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \

@@ -47,9 +47,26 @@ def test_fused_chunk_kernels_compiled_match_eager():
         logits = torch.randn(rows, 97, dtype=torch.float64, generator=g) * 4
         targets = torch.randint(0, 97, (rows,), generator=g)
         grad_out = torch.randn(rows, dtype=torch.float64, generator=g)
-        out, lse = lp._fused(lp._chunk_stats)(logits, targets, 0.7)
-        ref_out, ref_lse = lp._chunk_stats(logits, targets, 0.7)
+        t = torch.tensor(0.7, dtype=torch.float64)
+        out, lse = lp._fused(lp._chunk_stats)(logits, targets, t)
+        ref_out, ref_lse = lp._chunk_stats(logits, targets, t)
         assert rel_err(out, ref_out) < 1e-13 and rel_err(lse, ref_lse) < 1e-13
-        grad = lp._fused(lp._chunk_grad)(logits, lse, targets, grad_out, 0.7)
-        ref = torch.func.grad(lambda x: (lp._chunk_stats(x, targets, 0.7)[0] * grad_out).sum())(logits)
+        grad = lp._fused(lp._chunk_grad)(logits, lse, targets, grad_out, t)
+        ref = torch.func.grad(lambda x: (lp._chunk_stats(x, targets, t)[0] * grad_out).sum())(logits)
         assert rel_err(grad, ref) < 1e-13
+
+
+def test_new_temperature_is_no_recompile():
+    # the recipe may anneal the temperature; each value must not cost a compile (Dynamo's
+    # recompile limit would otherwise end in a silent eager fallback)
+    from torch._dynamo.utils import counters
+
+    from dualkv_compile import logprobs as lp
+
+    torch._dynamo.reset()
+    counters.clear()
+    logits = torch.randn(6, 33, dtype=torch.float64)
+    targets = torch.randint(0, 33, (6,))
+    for temperature in (1.0, 0.9, 0.8, 0.7):
+        lp._fused(lp._chunk_stats)(logits, targets, torch.tensor(temperature, dtype=torch.float64))
+    assert counters["stats"]["unique_graphs"] == 1

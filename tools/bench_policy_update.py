@@ -59,23 +59,43 @@ def grpo_loss(lp, mask, p, adv, total_valid=None):
     return ((-adv[:, None] * torch.exp(lp - lp.detach()) + 0.04 * lp.pow(2)) * valid).sum() / total
 
 
-def set_checkpointing(model, on: bool) -> None:
-    """Only on a change: enabling again installs a new checkpoint function object, which fails
-    Dynamo's guards and retraces the optimized model (measured: +1.5 s a step)."""
+def set_checkpointing(model, on: bool) -> bool:
+    """Only on a change (returned): enabling again installs a new checkpoint function object,
+    which fails Dynamo's guards and retraces the optimized model (measured: +1.5 s a step; a
+    whole recompile, 2-3 s with Inductor's cache, after switching it off and on again)."""
     if model.is_gradient_checkpointing == on:
-        return
+        return False
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_disable()
+    return True
 
 
-def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None) -> tuple[float, float]:
+_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def _events() -> dict:
+    """Allocator events (cudaMalloc retries after freeing the cache, device allocations and
+    frees, memory reserved) and Dynamo graphs compiled so far; per step as differences, so a
+    slow step shows which of them it paid for."""
+    from torch._dynamo.utils import counters
+
+    stats = torch.cuda.memory_stats()
+    return {**{k: stats.get(k, 0) for k in _EVENTS},
+            "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+            "graphs_compiled": counters["stats"]["unique_graphs"]}
+
+
+def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None,
+             events: list | None = None) -> tuple[float, float]:
     """(seconds, peak GiB) of one step; `opt` None: forward + backward only (`model` bench).
+    `events`: the step's allocator and compile events (see _events) are appended to it.
     `micro_rows`: forward + backward in micro-batches of that many rows with the gradients
     accumulated (the same gradient), as a trainer runs a batch that does not fit at once."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = _events()
     t0 = time.perf_counter()
     rows = micro_rows or tokens.shape[0]
     total_valid = mask[:, p:].sum()
@@ -87,7 +107,11 @@ def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None) -> tupl
         opt.step()
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30
+    sec = time.perf_counter() - t0
+    if events is not None:
+        after = _events()
+        events.append({k: after[k] - before[k] for k in after})
+    return sec, torch.cuda.max_memory_allocated() / 2**30
 
 
 def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> dict:
@@ -99,10 +123,12 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
         set_checkpointing(model, checkpointing)
         torch.cuda.empty_cache()
         try:
-            first, _ = one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
+            warm_events: list = []
+            first, _ = one_step(model, wrapper, tokens, mask, p, adv, opt, micro, warm_events)
             for _ in range(warmup - 1):
-                one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
-            results[name] = {"first_step_s": first, "step_ms_all": [], "peak_gib": 0.0}
+                one_step(model, wrapper, tokens, mask, p, adv, opt, micro, warm_events)
+            results[name] = {"first_step_s": first, "step_ms_all": [], "peak_gib": 0.0,
+                             "warmup_events": warm_events, "events_all": []}
             live.append(name)
         except torch.OutOfMemoryError:
             results[name] = {"step_ms": None, "error": "OOM"}
@@ -114,8 +140,10 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
         [name for name in live for _ in range(steps)]
     for name in order:
         checkpointing, wrapper, micro = variants[name]
-        set_checkpointing(model, checkpointing)
-        sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
+        if set_checkpointing(model, checkpointing):  # the switch retraces: not timed
+            one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
+        sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt, micro,
+                             results[name]["events_all"])
         results[name]["step_ms_all"].append(sec * 1e3)
         results[name]["peak_gib"] = max(results[name]["peak_gib"], peak)
     for name in live:
