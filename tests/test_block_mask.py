@@ -10,12 +10,14 @@ from hypothesis import strategies as st
 from dualkv_compile import pack
 from dualkv_compile.block_mask import (
     BLOCK_SIZE,
+    _token_intervals,
     dense_mask,
     shared_prefix_block_mask,
     shared_prefix_mask_mod,
 )
 from dualkv_compile.reference import reference_shared_prefix_attention
 from dualkv_compile.testing import make_batch, random_qkv, rel_err
+from dualkv_compile.tools.bench_mask_forms import interval_mask_mod
 
 
 def row_oracle_mask(pb, mask):
@@ -46,6 +48,9 @@ def check_layout(tokens, mask, p):
     idx = torch.arange(t)
     mod = shared_prefix_mask_mod(pb.segment_ids[0], pb.prefix_segment_ids[0])
     assert torch.equal(mod(0, 0, idx[:, None], idx[None, :]), dense)
+    # the interval form the mask-form benchmark times against it means the same
+    intervals = interval_mask_mod(*_token_intervals(pb, "cpu"))
+    assert torch.equal(intervals(0, 0, idx[:, None], idx[None, :]), dense)
 
     bm = shared_prefix_block_mask(pb, "cpu")
     assert bm is shared_prefix_block_mask(pb, "cpu")  # cached on the PackedBatch

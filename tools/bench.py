@@ -4,6 +4,7 @@
     python -m dualkv_compile.tools.bench model     [...]   # response logprobs fwd + bwd
     python -m dualkv_compile.tools.bench step      [...]   # the same plus the AdamW step
     python -m dualkv_compile.tools.bench lm-head   [--rows M ...] # chunked LM-head logprobs
+    python -m dualkv_compile.tools.bench mask-forms [...]  # two equal mask_mods, one block mask
 
 Every benchmark shares the N,P,R shape argument, writes JSON with the GPU, torch, triton, CUDA
 (and flash-attn-4) versions, shapes, dtype, warm-up and repeat counts, reports medians, and runs
@@ -23,6 +24,7 @@ SUITE = {
     "model": ("dualkv_compile.tools.bench_policy_update", ["--no-optimizer"]),
     "step": ("dualkv_compile.tools.bench_policy_update", []),
     "lm-head": ("dualkv_compile.tools.bench_lm_head", []),
+    "mask-forms": ("dualkv_compile.tools.bench_mask_forms", []),
 }
 
 
