@@ -36,9 +36,11 @@ class DualKVConfig:
         backward), "inductor", "aot_eager" or "eager".
     fallback: what a refusal of the passes does: "error" raises naming the op and its source
         line; "dense" runs the unoptimised model, logged once with the reason and counted.
-    logprob_chunk_size: response positions per LM-head chunk in response_logprobs (each chunk
-        holds one or two [chunk, vocab] blocks in the model dtype: 1.2 GiB each at 4096 x 151,936
-        in bf16; fewer chunks mean fewer float32 accumulations of the [vocab, d] weight gradient).
+    logprob_chunk_size: response positions per LM-head chunk in response_logprobs. On CUDA
+        (fused kernels) a chunk holds one or two [chunk, vocab] blocks in the model dtype (1.2
+        GiB each at 4096 x 151,936 in bf16); the eager path (CPU) holds a few float blocks of
+        that size. Fewer chunks mean fewer float32 accumulations of the [vocab, d] weight
+        gradient.
     activation_memory_budget: fraction of the activations the compiled graph keeps for the
         backward (1.0 keeps all); lower values make AOTAutograd's partitioner recompute the
         rest, PyTorch's compile-time form of gradient checkpointing. The shared-prefix

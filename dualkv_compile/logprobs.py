@@ -18,6 +18,9 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .recompiles import bounded_recompiles
 
 __all__ = ["chunked_logprobs"]
 
@@ -44,27 +47,48 @@ def _chunk_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad_out: Tensor,
                 temperature: Tensor) -> Tensor:
     """d(sum grad_out * logprob) / d logits, [c, V] in the logits' dtype: (onehot(target) -
     softmax) * grad_out / temperature."""
-    z = logits.to(lse.dtype) / temperature
-    g = _onehot(logits, targets).to(lse.dtype) - torch.exp(z - lse[:, None])
+    p = torch.exp(logits.to(lse.dtype) / temperature - lse[:, None])
+    g = torch.where(_onehot(logits, targets), 1 - p, -p)
     return (g * (grad_out[:, None] / temperature)).to(logits.dtype)
+
+
+# One graph per function and dtype: the chunk length is symbolic (chunks of one row, which
+# Dynamo would specialise, run eagerly), grad_out is made contiguous (an expanded gradient of
+# out.sum() would be another graph) and the temperature is a 0-d tensor. The bound makes an
+# unforeseen recompile storm an error instead of a silent eager fallback.
+_RECOMPILE_LIMIT = 16
 
 
 @functools.cache
 def _fused(fn):
-    # once per process (module scope, never per call); dynamic: the last chunk's length varies;
-    # the temperature is a 0-d tensor, so a new value is no recompile
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    # once per process (module scope, never per call)
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    @functools.wraps(fn)
+    def call(*args):
+        if args[0].shape[0] < 2:
+            return fn(*args)
+        with bounded_recompiles(_RECOMPILE_LIMIT, f"the LM-head kernel {fn.__name__}",
+                                advice="Each dtype is one compile; report this with the "
+                                       "shapes and dtypes used."):
+            return compiled(*args)
+
+    return call
 
 
 def _kernels(device: torch.device):
-    if device.type == "cuda":
+    """The per-chunk functions: Inductor-fused on CUDA, eager on CPU and when traced into a
+    user's own compiled graph (which fuses them there)."""
+    if device.type == "cuda" and not torch.compiler.is_compiling():
         return _fused(_chunk_stats), _fused(_chunk_grad)
     return _chunk_stats, _chunk_grad
 
 
 def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
-    """acc [V, d] (wide) += g.T @ h, the product accumulated in float32 by the GEMM."""
-    if acc.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32:
+    """acc [V, d] (wide) += g.T @ h, the product accumulated in float32 by the GEMM (eagerly
+    on CUDA: addmm's out_dtype form cannot be traced)."""
+    if (acc.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32
+            and not torch.compiler.is_compiling()):
         torch.addmm(acc, g.T, h, out_dtype=torch.float32, out=acc)
     elif g.dtype == acc.dtype:
         acc.addmm_(g.T, h)
@@ -77,6 +101,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk):
         stats, _ = _kernels(hidden.device)
         wide = _wide(hidden.dtype)
+        # an out-of-range target would silently pick nothing (the one-hot is empty); checked on
+        # the device, without a host sync, as gather's bounds check was
+        torch._assert_async(((targets >= 0) & (targets < weight.shape[0])).all())
         out = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         lse = torch.empty_like(out)
         t = torch.full((), temperature, dtype=wide, device=hidden.device)  # a fill, no sync
@@ -88,16 +115,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         hidden, weight, targets, lse, t = ctx.saved_tensors
         _, grad_fn = _kernels(hidden.device)
         chunk = ctx.chunk
-        grad_out = grad_out.to(lse.dtype)
+        grad_out = grad_out.to(lse.dtype).contiguous()
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk].to(weight.dtype)
+            h = hidden[s:s + chunk]
             # the matmuls run in the model's dtype (tensor cores for bf16; they accumulate in
             # fp32); the weight gradient is summed over chunks in the wide dtype
             g = grad_fn(h @ weight.T, lse[s:s + chunk], targets[s:s + chunk],

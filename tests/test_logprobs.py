@@ -56,17 +56,59 @@ def test_fused_chunk_kernels_compiled_match_eager():
         assert rel_err(grad, ref) < 1e-13
 
 
-def test_new_temperature_is_no_recompile():
-    # the recipe may anneal the temperature; each value must not cost a compile (Dynamo's
-    # recompile limit would otherwise end in a silent eager fallback)
+def test_fused_path_compiles_once_per_function(monkeypatch):
+    # the CUDA path (the fused chunk functions), here compiled for the CPU, through the public
+    # call: new temperatures, a one-row last chunk and the expanded gradient of out.sum() must
+    # not recompile (Dynamo's limit would otherwise end the run)
     from torch._dynamo.utils import counters
 
     from dualkv_compile import logprobs as lp
 
+    monkeypatch.setattr(lp, "_kernels", lambda device: (lp._fused(lp._chunk_stats),
+                                                        lp._fused(lp._chunk_grad)))
     torch._dynamo.reset()
     counters.clear()
-    logits = torch.randn(6, 33, dtype=torch.float64)
-    targets = torch.randint(0, 33, (6,))
-    for temperature in (1.0, 0.9, 0.8, 0.7):
-        lp._fused(lp._chunk_stats)(logits, targets, torch.tensor(temperature, dtype=torch.float64))
-    assert counters["stats"]["unique_graphs"] == 1
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(41, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    for rows, temperature in ((5, 1.0), (7, 0.9), (9, 0.7)):  # chunks of 2: the last has 1 row
+        h = torch.randn(rows, 8, dtype=torch.float64, generator=g, requires_grad=True)
+        t = torch.randint(0, 41, (rows,), generator=g)
+        out = chunked_logprobs(h, w, t, temperature=temperature, chunk_size=2)
+        dh, dw = torch.autograd.grad(out.sum(), (h, w))
+        ref = ((h @ w.T) / temperature).log_softmax(-1).gather(1, t[:, None])[:, 0]
+        rh, rw = torch.autograd.grad(ref.sum(), (h, w))
+        assert rel_err(out, ref) < 1e-13 and rel_err(dh, rh) < 1e-13 and rel_err(dw, rw) < 1e-13
+    assert counters["stats"]["unique_graphs"] == 2  # one per chunk function
+
+
+def test_out_of_range_target_raises():
+    with pytest.raises(RuntimeError):
+        chunked_logprobs(torch.randn(3, 4), torch.randn(6, 4), torch.tensor([0, 6, 1]))
+    with pytest.raises(RuntimeError):
+        chunked_logprobs(torch.randn(3, 4), torch.randn(6, 4), torch.tensor([0, -100, 1]))
+
+
+def test_inside_a_users_compiled_graph():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(6, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(19, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 19, (6,), generator=g)
+
+    def logprobs(h, w):
+        return chunked_logprobs(h, w, t, temperature=0.8, chunk_size=4)
+
+    out = torch.compile(logprobs, fullgraph=True, backend="aot_eager")(h, w)
+    dh, dw = torch.autograd.grad(out.sum(), (h, w))
+    ref = logprobs(h, w)
+    rh, rw = torch.autograd.grad(ref.sum(), (h, w))
+    assert rel_err(out, ref) < 1e-13 and rel_err(dh, rh) < 1e-13 and rel_err(dw, rw) < 1e-13
+
+
+def test_second_derivative_is_refused():
+    h = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64)
+    c = torch.randn(3, dtype=torch.float64, requires_grad=True)  # grad_out depends on c
+    out = chunked_logprobs(h, w, torch.tensor([0, 4, 2]))
+    (dh,) = torch.autograd.grad((out * c).sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dh.sum().backward()

@@ -47,4 +47,25 @@ def test_fused_lm_head_matches_float64(rows, chunk, temperature, monkeypatch):
     print(json.dumps({"rows": rows, "chunk": chunk, "temperature": temperature, **errs}))
     for name, e in errs.items():
         assert e["fused"] <= 1.1 * e["eager"] + 1e-7, (name, e)
+        assert e["fused"] < 1e-2, (name, e)  # bf16 inputs: observed 1.6e-4 to 2.9e-3
     assert rel_err(fused[0], eager[0]) < 1e-5
+
+
+def test_inside_a_users_compiled_graph():
+    # traced into the user's graph, the chunk functions and the weight-gradient sum run as
+    # plain ops there (addmm's out_dtype form cannot be traced)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(700, 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(5000, 256, device="cuda", generator=g) * 0.05).bfloat16()
+    targets = torch.randint(0, 5000, (700,), device="cuda", generator=g)
+
+    def logprobs(h, w):
+        return lp.chunked_logprobs(h, w, targets, temperature=0.9, chunk_size=256)
+
+    results = []
+    for fn in (logprobs, torch.compile(logprobs, fullgraph=True)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(hh, ww)
+        results.append((out.detach().double(), *torch.autograd.grad(out.sum(), (hh, ww))))
+    for a, b in zip(*results):
+        assert rel_err(a.double(), b.double()) < 1e-2

@@ -1,6 +1,6 @@
 """LM-head benchmark: response logprobs through `chunked_logprobs`, forward + backward, bf16,
-the fused CUDA kernels against the same functions run eagerly (what ran before they were
-fused), at several chunk sizes, interleaved in one process. Not a test.
+the fused CUDA kernels against the same functions run eagerly (unfused; the weight-gradient
+sum is the same in both), at several chunk sizes, interleaved in one process. Not a test.
 
     python -m dualkv_compile.tools.bench lm-head --rows 32768 --out docs/results/lm_head_h100
 
