@@ -96,11 +96,20 @@ def test_resume_continues_the_step_count_and_data_order(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
 
 
-def test_dapo_settings_run(tmp_path):
-    recipe = run(tmp_path, "dapo", num_steps=2, dynamic_sampling=True,
-                 overlong={"max_len": 9, "cache_len": 3}, **{"loss.aggregation": "token",
-                                                            "loss.epsilon_high": 0.28})
-    assert len(recipe.history) == 2
+def test_dapo_config_on_and_off_agree(tmp_path):
+    config = ROOT / "recipes" / "configs" / "tiny_dapo.yaml"
+    on = run(tmp_path, "dapo_on", config=config, num_steps=3)
+    off = run(tmp_path, "dapo_off", config=config, num_steps=3, **{"dualkv.enabled": False})
+    cfg = on.cfg
+    assert cfg.dynamic_sampling and cfg.overlong.max_len == 9
+    assert cfg.loss.aggregation == "token" and cfg.loss.epsilon_high > cfg.loss.epsilon_low
+    assert on.policy.uses_dualkv and not off.policy.uses_dualkv
+    assert len(on.history) == len(off.history) == 3
+    for a, b in zip(on.history, off.history):
+        for key in ("loss", "kl", "grad_norm", "response_logprob"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert a["reward"] == b["reward"]
+    assert any(h["grad_norm"] > 1e-3 for h in on.history)
 
 
 def test_tune_run_entry_point(tmp_path):
@@ -112,3 +121,12 @@ def test_tune_run_entry_point(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mean reward:" in done.stdout
     assert (tmp_path / "cli" / "checkpoint.pt").is_file()
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "recipes" / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_config_has_the_switch_and_the_overrides(config):
+    cfg = OmegaConf.load(config)
+    assert isinstance(cfg.dualkv.enabled, bool), config.name
+    for key in ("num_steps", "output_dir", "device"):  # the overrides every config takes
+        assert key in cfg, (config.name, key)
