@@ -10,6 +10,12 @@ backward onehot - softmax, scaled and cast back) runs as two Inductor-fused kern
 logits once instead of a dozen eager passes over float32 copies, and the weight gradient is
 accumulated in float32 by the GEMM itself (addmm with out_dtype). The eager path runs the very
 same functions on CPU and is the reference the GPU test compares against.
+
+`chunked_token_loss` fuses a per-token loss into the same loop: once a chunk's logprobs are
+known, the loss's gradient with respect to each of them is known too (the loss of a token
+depends on that token's logprob alone), so the chunk's gradients with respect to the hidden
+states and the weight are computed right there, from the logits already in hand. The backward
+then only scales the stored gradients: the LM head does three GEMMs per chunk instead of four.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from .recompiles import bounded_recompiles
 
-__all__ = ["chunked_logprobs"]
+__all__ = ["chunked_logprobs", "chunked_token_loss"]
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -52,9 +58,10 @@ def _chunk_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad_out: Tensor,
     return (g * (grad_out[:, None] / temperature)).to(logits.dtype)
 
 
-# One graph per function and dtype: the chunk length is symbolic (chunks of one row, which
-# Dynamo would specialise, run eagerly), grad_out is made contiguous (an expanded gradient of
-# out.sum() would be another graph) and the temperature is a 0-d tensor. The bound makes an
+# One graph per function and dtype: the chunk length is marked dynamic (chunks of one row, which
+# Dynamo would specialise, run eagerly) while the vocabulary stays static, so Inductor sizes
+# and vectorises the row reductions for it; grad_out is made contiguous (an expanded gradient
+# of out.sum() would be another graph) and the temperature is a 0-d tensor. The bound makes an
 # unforeseen recompile storm an error instead of a silent eager fallback.
 _RECOMPILE_LIMIT = 16
 
@@ -62,12 +69,15 @@ _RECOMPILE_LIMIT = 16
 @functools.cache
 def _fused(fn):
     # once per process (module scope, never per call)
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, fullgraph=True)
 
     @functools.wraps(fn)
     def call(*args):
         if args[0].shape[0] < 2:
             return fn(*args)
+        for a in args:
+            if a.dim() > 0:
+                torch._dynamo.mark_dynamic(a, 0)
         with bounded_recompiles(_RECOMPILE_LIMIT, f"the LM-head kernel {fn.__name__}",
                                 advice="Each dtype is one compile; report this with the "
                                        "shapes and dtypes used."):
@@ -96,14 +106,18 @@ def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
         acc += (g.T @ h).to(acc.dtype)
 
 
+def _check_targets(targets: Tensor, vocab: int) -> None:
+    # an out-of-range target would silently pick nothing (the one-hot is empty); checked on
+    # the device, without a host sync, as gather's bounds check was
+    torch._assert_async(((targets >= 0) & (targets < vocab)).all())
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk):
         stats, _ = _kernels(hidden.device)
         wide = _wide(hidden.dtype)
-        # an out-of-range target would silently pick nothing (the one-hot is empty); checked on
-        # the device, without a host sync, as gather's bounds check was
-        torch._assert_async(((targets >= 0) & (targets < weight.shape[0])).all())
+        _check_targets(targets, weight.shape[0])
         out = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         lse = torch.empty_like(out)
         t = torch.full((), temperature, dtype=wide, device=hidden.device)  # a fill, no sync
@@ -149,3 +163,94 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be > 0")
     return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
+
+
+def _token_loss_grad(token_loss, logprobs: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """(the chunk's per-token losses, detached; d sum / d logprobs), both [c]."""
+    with torch.enable_grad():
+        x = logprobs.detach().requires_grad_()
+        losses = token_loss(x, index)
+        if not isinstance(losses, Tensor) or losses.shape != x.shape:
+            got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(f"token_loss must return one loss per token, shape {tuple(x.shape)}; "
+                             f"got {got}")
+        if not losses.requires_grad:
+            raise ValueError("token_loss's result does not depend on the logprobs it was given")
+        (grad,) = torch.autograd.grad(losses.sum(), x)
+    return losses.detach(), grad
+
+
+class _ChunkedTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, index, temperature, chunk, token_loss):
+        stats, grad_fn = _kernels(hidden.device)
+        wide = _wide(hidden.dtype)
+        _check_targets(targets, weight.shape[0])
+        logprobs = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
+        loss = torch.zeros((), dtype=wide, device=hidden.device)
+        t = torch.full((), temperature, dtype=wide, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            logits = h @ weight.T
+            lp, lse = stats(logits, targets[s:s + chunk], t)
+            logprobs[s:s + chunk] = lp
+            losses, grad_lp = _token_loss_grad(token_loss, lp, index[s:s + chunk])
+            loss += losses.sum()
+            g = grad_fn(logits, lse, targets[s:s + chunk], grad_lp.to(wide).contiguous(), t)
+            del logits
+            if grad_h is not None:
+                grad_h[s:s + chunk] = (g @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                _accumulate_weight_grad(grad_w, g, h)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mark_non_differentiable(logprobs)
+        return loss, logprobs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _):
+        # the gradients were computed in the forward for a loss weight of 1; a backward from
+        # `loss * c` scales them (exact for c = 1, else one more rounding in the model's dtype)
+        grad_h, grad_w = ctx.saved_tensors
+        scale = (lambda g: None if g is None else (g * grad_loss).to(g.dtype))
+        return scale(grad_h), scale(grad_w), None, None, None, None, None
+
+
+def chunked_token_loss(hidden: Tensor, weight: Tensor, targets: Tensor, token_loss, *,
+                       index: Tensor | None = None, temperature: float = 1.0,
+                       chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
+    """The sum over positions of token_loss(logprobs, index), with the LM head's backward done
+    in the forward pass.
+
+    hidden [M, d], weight [V, d], targets [M]; `token_loss(logprobs [c], index [c]) -> [c]` is
+    called once per chunk with the chunk's logprobs (float32, float64 for float64 inputs) and
+    their `index` entries (default: positions 0..M-1), and returns each token's loss. A token's
+    loss must depend on its own logprob only; everything else it reads is a constant (no
+    gradient flows into it). Returns (loss, logprobs [M], the latter without gradient).
+
+    Without gradients to compute, or traced into a user's torch.compile, this is
+    token_loss(chunked_logprobs(...), index).sum(): the same value, the backward recomputing
+    the logits."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [M, d] and weight [V, d] expected, got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0")
+    if index is None:
+        index = torch.arange(hidden.shape[0], device=hidden.device)
+    if index.shape != targets.shape or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets {tuple(targets.shape)} and index {tuple(index.shape)} must "
+                         f"both be [M] with M = {hidden.shape[0]}")
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if not wants_grad or torch.compiler.is_compiling():
+        logprobs = chunked_logprobs(hidden, weight, targets, temperature=temperature,
+                                    chunk_size=chunk_size)
+        losses = token_loss(logprobs, index)
+        return losses.sum(), logprobs.detach()
+    return _ChunkedTokenLoss.apply(hidden, weight, targets, index, float(temperature),
+                                   int(chunk_size), token_loss)

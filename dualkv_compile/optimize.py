@@ -18,7 +18,7 @@ from .adapters import adapter_for
 from .backend import DualKVBackend
 from .config import DualKVConfig
 from .layout_inputs import layout_anchor, layout_tables
-from .logprobs import chunked_logprobs
+from .logprobs import chunked_logprobs, chunked_token_loss
 from .packing import PackedBatch, pack
 from .recompiles import bounded_recompiles
 from .stats import counters
@@ -264,27 +264,62 @@ class DualKVModel(nn.Module):
         """Logprob of every response token, [B, L - prompt_len]; 0 at padding. float32, or
         float64 for a float64 model. The LM head runs only at the positions that predict
         response tokens, in chunks of config.logprob_chunk_size."""
+        def head(states, weight, targets, dst):
+            lp = chunked_logprobs(states, weight, targets, temperature=temperature,
+                                  chunk_size=self.config.logprob_chunk_size)
+            return _scatter(lp, dst, tokens, prompt_len)
+
+        return self._response_head(tokens, prompt_len, padding_mask, head,
+                                   lambda empty: empty)
+
+    def response_loss(self, tokens: Tensor, *, prompt_len: int, token_loss,
+                      padding_mask: Tensor | None = None,
+                      temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+        """A per-token loss over the response tokens, with the LM head's backward done in its
+        forward (`logprobs.chunked_token_loss`: three GEMMs per chunk instead of four).
+
+        `token_loss(logprobs [M], index [M]) -> [M]` gets the logprobs of a chunk of valid
+        response tokens and their flat positions in [B, L - prompt_len] (row * (L - prompt_len)
+        + column), to gather per-token constants with (old logprobs, advantages, weights), and
+        returns each token's loss; a token's loss may depend on its own logprob only. Returns
+        (the sum of those losses, the logprobs [B, L - prompt_len] without gradient and 0 at
+        padding, as response_logprobs returns them). Without response columns the loss is a
+        0 with no gradient."""
+        def head(states, weight, targets, dst):
+            loss, lp = chunked_token_loss(states, weight, targets, token_loss, index=dst,
+                                          temperature=temperature,
+                                          chunk_size=self.config.logprob_chunk_size)
+            return loss, _scatter(lp, dst, tokens, prompt_len)
+
+        return self._response_head(tokens, prompt_len, padding_mask, head,
+                                   lambda empty: (empty.new_zeros(()), empty))
+
+    def _response_head(self, tokens, prompt_len, padding_mask, head, on_empty):
+        """head(states [M, d] predicting the M valid response tokens, the LM-head weight, their
+        targets [M], their flat positions [M] in [B, L - prompt_len]), run inside the model's
+        forward (where FSDP2 has all-gathered the weight)."""
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
-        weight = self._adapter.lm_head_weight(self.model)
         if tokens.dim() == 2 and prompt_len == tokens.shape[1]:  # no response columns
             self._pack(tokens, prompt_len, padding_mask)  # still validates the input
+            weight = self._adapter.lm_head_weight(self.model)
             wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
-            return torch.zeros(tokens.shape[0], 0, dtype=wide, device=tokens.device)
+            return on_empty(torch.zeros(tokens.shape[0], 0, dtype=wide, device=tokens.device))
 
         def dense():
             pb = self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
             hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
                                         self._adapter.replicated_mask(mask))
-            src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
-            rows = _row_sources(mask, prompt_len, src.device)
-            return _scatter(self, hidden.flatten(0, 1), rows, targets, dst, tokens, prompt_len,
-                            temperature)
+            _, targets, dst = _predictions(tokens, mask, prompt_len, pb)
+            rows = _row_sources(mask, prompt_len, hidden.device)
+            return head(hidden.flatten(0, 1).index_select(0, rows),
+                        self._adapter.lm_head_weight(self.model), targets, dst)
 
         def packed():
             pb = self._pack(tokens, prompt_len, padding_mask)
             hidden = self._run_packed(pb, "hidden")[0]  # [T, d]
             src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
-            return _scatter(self, hidden, src, targets, dst, tokens, prompt_len, temperature)
+            return head(hidden.index_select(0, src), self._adapter.lm_head_weight(self.model),
+                        targets, dst)
 
         return self._packed_or_dense(packed, dense)
 
@@ -318,11 +353,7 @@ def _row_sources(mask, prompt_len, device):
     return flat[:, prompt_len:][mask[:, prompt_len:]]
 
 
-def _scatter(self, hidden, src, targets, dst, tokens, prompt_len, temperature):
-    # the weight is read here, inside the model's forward: FSDP2 has all-gathered it by now
-    weight = self._adapter.lm_head_weight(self.model)
-    lp = chunked_logprobs(hidden.index_select(0, src), weight, targets,
-                          temperature=temperature, chunk_size=self.config.logprob_chunk_size)
+def _scatter(values: Tensor, dst: Tensor, tokens: Tensor, prompt_len: int) -> Tensor:
+    """values [M] at flat positions dst of a zero [B, L - prompt_len]."""
     b, l = tokens.shape
-    out = lp.new_zeros(b * (l - prompt_len)).index_put((dst,), lp)
-    return out.view(b, l - prompt_len)
+    return values.new_zeros(b * (l - prompt_len)).index_put((dst,), values).view(b, l - prompt_len)

@@ -4,8 +4,9 @@
 
 Each step: sample `groups_per_step` prompts from the task, generate `group_size` responses each
 (KV-cached, temperature / top-k), score them with the task's verifiable reward, normalise
-advantages within each group, then one policy update: old, reference and policy logprobs all
-through `optimize(model).response_logprobs`, the clipped loss with a KL term, micro-batches of
+advantages within each group, then one policy update: old and reference logprobs through
+`optimize(model).response_logprobs`, the clipped loss with a KL term through
+`optimize(model).response_loss` (the LM head's backward fused into its forward), micro-batches of
 whole groups with gradient accumulation, gradient clipping, the optimizer step. `dualkv.enabled:
 false` runs the same recipe on the plain model (the baseline).
 
@@ -269,18 +270,23 @@ class GRPORecipe:
             # a rank with fewer kept groups (dynamic sampling) repeats its first micro-batch
             # at weight 0, so that every rank runs the same FSDP collectives
             rows = slice(starts[i], starts[i] + rows_per_mb) if i < len(starts) else slice(0, rows_per_mb)
-            lp = self.policy.response_logprobs(tokens[rows], prompt_len=p, padding_mask=mask[rows],
-                                               temperature=temp)
-            loss, stats = self.loss_fn(lp, old[rows], ref[rows], advantages[rows], resp_mask[rows])
             if i >= len(starts):
                 weight = 0.0
             elif self.loss_fn.aggregation == "token":
                 weight = float(resp_mask[rows].sum()) / total_tokens
             else:
-                weight = lp.shape[0] / total_rows
-            (loss * (weight * self.world_size)).backward()
-            loss_sum += float(loss.detach()) * weight
+                weight = resp_mask[rows].shape[0] / total_rows
+            # the micro-batch's loss times its weight (and the world size) as a per-token loss:
+            # the LM head computes its gradients in the forward pass (response_loss)
+            token_loss = self.loss_fn.token_loss(old[rows], ref[rows], advantages[rows],
+                                                 resp_mask[rows], scale=weight * self.world_size)
+            loss, lp = self.policy.response_loss(tokens[rows], prompt_len=p,
+                                                 padding_mask=mask[rows], token_loss=token_loss,
+                                                 temperature=temp)
+            loss.backward()
+            loss_sum += float(loss.detach()) / self.world_size
             if i < len(starts):
+                stats = self.loss_fn.stats(lp, old[rows], ref[rows], resp_mask[rows])
                 kl_sum += float(stats["kl"] * resp_mask[rows].sum()) / total_tokens  # token mean
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2

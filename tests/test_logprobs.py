@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dualkv_compile.logprobs import chunked_logprobs
+from dualkv_compile.logprobs import chunked_logprobs, chunked_token_loss
 from dualkv_compile.testing import rel_err
 
 
@@ -78,6 +78,12 @@ def test_fused_path_compiles_once_per_function(monkeypatch):
         ref = ((h @ w.T) / temperature).log_softmax(-1).gather(1, t[:, None])[:, 0]
         rh, rw = torch.autograd.grad(ref.sum(), (h, w))
         assert rel_err(out, ref) < 1e-13 and rel_err(dh, rh) < 1e-13 and rel_err(dw, rw) < 1e-13
+        # the loss fused into the LM head calls the same two kernels, in its forward
+        loss, _ = chunked_token_loss(h, w, t, lambda lp, i: lp * (i + 1), chunk_size=2,
+                                     temperature=temperature)
+        ref = ((h @ w.T) / temperature).log_softmax(-1).gather(1, t[:, None])[:, 0]
+        assert rel_err(torch.autograd.grad(loss, w)[0],
+                       torch.autograd.grad((ref * torch.arange(1, rows + 1)).sum(), w)[0]) < 1e-13
     assert counters["stats"]["unique_graphs"] == 2  # one per chunk function
 
 
@@ -112,3 +118,82 @@ def test_second_derivative_is_refused():
     (dh,) = torch.autograd.grad((out * c).sum(), h, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dh.sum().backward()
+
+
+def clipped_token_loss(old, adv, weights):
+    """A PPO-style per-token loss: clipped ratio, a square term; gathers its constants by index."""
+    def loss(lp, index):
+        ratio = torch.exp(lp - old[index])
+        a = adv[index]
+        return (-torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a) + 0.05 * lp.pow(2)) * weights[index]
+    return loss
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_token_loss_matches_logprobs_then_loss(chunk, temperature):
+    """The LM head's backward done in the forward: loss, logprobs and both gradients against
+    chunked_logprobs followed by the same loss, with a backward scale != 1 and an index that is
+    not 0..M-1; old logprobs near the new ones so some ratios are clipped and some are not."""
+    g = torch.Generator().manual_seed(chunk)
+    m = 7
+    h = torch.randn(m, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (m,), generator=g)
+    index = torch.randperm(12, generator=g)[:m]
+    with torch.no_grad():
+        exact = chunked_logprobs(h, w, t, temperature=temperature)
+    old = torch.zeros(12, dtype=torch.float64)
+    old[index] = exact + 0.4 * torch.randn(m, dtype=torch.float64, generator=g)
+    token_loss = clipped_token_loss(old, torch.randn(12, dtype=torch.float64, generator=g),
+                                    torch.rand(12, dtype=torch.float64, generator=g))
+
+    loss, lp = chunked_token_loss(h, w, t, token_loss, index=index, temperature=temperature,
+                                  chunk_size=chunk)
+    dh, dw = torch.autograd.grad(loss * 2.5, (h, w))
+    ref_lp = chunked_logprobs(h, w, t, temperature=temperature, chunk_size=chunk)
+    ref = token_loss(ref_lp, index).sum()
+    rh, rw = torch.autograd.grad(ref * 2.5, (h, w))
+    ratio = torch.exp(exact - old[index])
+    assert ((ratio < 0.8) | (ratio > 1.2)).any() and ((ratio > 0.8) & (ratio < 1.2)).any()
+    assert not lp.requires_grad and loss.dtype == torch.float64
+    assert rel_err(lp, ref_lp.detach()) < 1e-13 and rel_err(loss, ref.detach()) < 1e-13
+    assert rel_err(dh, rh) < 1e-13 and rel_err(dw, rw) < 1e-13
+
+
+def test_token_loss_without_gradients_and_inside_a_users_compiled_graph():
+    # no gradient wanted, and traced by torch.compile: logprobs then the loss, same values
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(6, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(19, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 19, (6,), generator=g)
+    token_loss = clipped_token_loss(torch.randn(6, dtype=torch.float64, generator=g) - 3,
+                                    torch.randn(6, dtype=torch.float64, generator=g),
+                                    torch.ones(6, dtype=torch.float64))
+
+    def fused(h, w):
+        return chunked_token_loss(h, w, t, token_loss, temperature=0.8, chunk_size=4)[0]
+
+    ref = fused(h, w)
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    with torch.no_grad():
+        assert rel_err(fused(h, w), ref.detach()) < 1e-13
+    out = torch.compile(fused, fullgraph=True, backend="aot_eager")(h, w)
+    dh, dw = torch.autograd.grad(out, (h, w))
+    assert rel_err(out, ref) < 1e-13 and rel_err(dh, rh) < 1e-13 and rel_err(dw, rw) < 1e-13
+
+
+def test_token_loss_bad_arguments():
+    h = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, dtype=torch.float64)
+    t = torch.tensor([0, 5, 1])
+    with pytest.raises(ValueError, match=r"one loss per token, shape \(3,\); got \(\)"):
+        chunked_token_loss(h, w, t, lambda lp, i: lp.sum())
+    with pytest.raises(ValueError, match="does not depend on the logprobs"):
+        chunked_token_loss(h, w, t, lambda lp, i: torch.zeros_like(lp))
+    with pytest.raises(ValueError, match=r"index \(2,\) must both be \[M\] with M = 3"):
+        chunked_token_loss(h, w, t, lambda lp, i: lp, index=torch.arange(2))
+    with pytest.raises(ValueError, match="temperature=-1"):
+        chunked_token_loss(h, w, t, lambda lp, i: lp, temperature=-1)
+    with pytest.raises(RuntimeError):
+        chunked_token_loss(h, w, torch.tensor([0, 6, 1]), lambda lp, i: lp)

@@ -85,6 +85,43 @@ def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backen
     assert sum(kernel in t for t in targets) == 2, targets
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("family", ["qwen2_5", "hf_qwen3"])
+def test_response_loss_matches_row_by_row(family, enabled):
+    """The GRPO loss fused into the LM head (response_loss), packed and dense: loss, logprobs
+    and every parameter's gradient against the row-by-row logprobs followed by the same loss;
+    old logprobs away from the new ones so the clipping is active, a backward scale != 1."""
+    from dualkv_compile.rl import GRPOLoss
+
+    model = same_dtype_numerics(tiny_model(family)).double()
+    tokens, mask, p = batch(seed=2)
+    wrapper = dk.optimize(model, dk.DualKVConfig(enabled=enabled, logprob_chunk_size=5))
+    resp = mask[:, p:]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        exact = row_by_row_response_logprobs(model, tokens, mask, p, temperature=0.7)
+    old = (exact + 0.3 * torch.randn(exact.shape, dtype=torch.float64, generator=g)) * resp
+    ref_lp = (exact + 0.1 * torch.randn(exact.shape, dtype=torch.float64, generator=g)) * resp
+    adv = torch.linspace(-1, 1, tokens.shape[0], dtype=torch.float64)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.05)
+
+    loss, lp = wrapper.response_loss(tokens, prompt_len=p, padding_mask=mask, temperature=0.7,
+                                     token_loss=loss_fn.token_loss(old, ref_lp, adv, resp))
+    (loss * 3).backward()
+    ours = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+
+    ref = row_by_row_response_logprobs(model, tokens, mask, p, temperature=0.7)
+    ref_loss, stats = loss_fn(ref, old, ref_lp, adv, resp)
+    (ref_loss * 3).backward()
+    assert 0 < float(stats["clip_fraction"]) < 1
+    assert not lp.requires_grad and rel_err(lp, ref.detach()) < TOL and (lp[~resp] == 0).all()
+    assert rel_err(loss.detach(), ref_loss.detach()) < TOL
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+        assert rel_err(ours[name], param.grad) < TOL, (name, rel_err(ours[name], param.grad))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_unmodified_models_match_to_float32_rounding(family):
     # the families' own norms/RoPE compute in float32; the packed result still agrees to that
@@ -324,6 +361,9 @@ def test_no_response_columns_give_an_empty_result():
     assert tokens.shape[1] == p
     lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert lp.shape == (3, 0) and lp.dtype == torch.float64
+    loss, lp = dk.optimize(model).response_loss(tokens, prompt_len=p, padding_mask=mask,
+                                                token_loss=lambda lp, i: lp)
+    assert lp.shape == (3, 0) and loss.item() == 0 and loss.dtype == torch.float64
 
 
 def test_heads_that_are_not_a_plain_linear_map_are_rejected():

@@ -97,6 +97,45 @@ def test_bf16_model_matches_plain_model(family, checkpointing, region, attention
         assert errs[key]["ours"] <= 2 * errs[key]["dense_bf16"], (key, errs[key])
 
 
+@pytest.mark.parametrize("family,attention_backend", [("hf_qwen3", "auto"), ("qwen2_5", "auto"),
+                                                      ("hf_qwen3", "regions")])
+def test_bf16_response_loss_matches_plain_model(family, attention_backend):
+    # the same GRPO-style loss fused into the LM head (response_loss): gradients against the
+    # fp32 model row by row, at most twice the plain bf16 model's error
+    vocab = 1024
+    base = tiny_model(family, vocab=vocab, dim=256, max_seq_len=2048).cuda()
+    ref32, plain, ours = copy.deepcopy(base).float(), copy.deepcopy(base).bfloat16(), base.bfloat16()
+    tokens, mask, p = batch(0, vocab)
+    adv = torch.linspace(-1, 1, tokens.shape[0], device="cuda")
+    wrapper = dk.optimize(ours, dk.DualKVConfig(attention_backend=attention_backend))
+    valid = mask[:, p:].float()
+    weights, adv_tok = (valid / valid.sum()).flatten(), adv[:, None].expand_as(valid).flatten()
+
+    def token_loss(lp, i):  # grpo_loss per token
+        return (-adv_tok[i] * torch.exp(lp - lp.detach()) + 0.05 * lp.pow(2)) * weights[i]
+
+    def fused():
+        loss, lp = wrapper.response_loss(tokens, prompt_len=p, padding_mask=mask,
+                                         token_loss=token_loss)
+        loss.backward()
+        return lp
+
+    r = logprobs_and_grads(lambda: row_by_row_response_logprobs(ref32, tokens, mask, p),
+                           ref32, tokens, mask, p, adv)
+    d = logprobs_and_grads(lambda: row_by_row_response_logprobs(plain, tokens, mask, p),
+                           plain, tokens, mask, p, adv)
+    ours.zero_grad()
+    lp = fused()
+    o = (lp.float(), torch.cat([q.grad.float().flatten() for q in ours.parameters()]))
+    errs = {"family": family, "attention_backend": attention_backend, "response_loss": True,
+            "logprobs": {"ours": rel_err(o[0], r[0]), "dense_bf16": rel_err(d[0], r[0])},
+            "grads": {"ours": rel_err(o[1], r[1]), "dense_bf16": rel_err(d[1], r[1])}}
+    print(json.dumps(errs))
+    assert torch.isfinite(o[1]).all()
+    for key in ("logprobs", "grads"):
+        assert errs[key]["ours"] <= 2 * errs[key]["dense_bf16"], (key, errs[key])
+
+
 def test_one_compile_per_length_bucket_over_20_steps():
     dk.counters.clear()
     from torch._dynamo.utils import counters as dynamo_counters

@@ -48,6 +48,27 @@ def test_grpo_loss_by_hand():
     assert stats["kl"] == 0
 
 
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_per_token_form_equals_the_loss(aggregation):
+    # what the recipe hands to response_loss: the loss (times a scale) as a per-token function of
+    # the valid tokens, gathered by flat index; value and gradient against the [B, R] loss
+    g = torch.Generator().manual_seed(0)
+    lp = (torch.randn(3, 5, dtype=torch.float64, generator=g) - 2).requires_grad_()
+    old = lp.detach() + 0.3 * torch.randn(3, 5, dtype=torch.float64, generator=g)
+    ref = lp.detach() + 0.1 * torch.randn(3, 5, dtype=torch.float64, generator=g)
+    adv = torch.randn(3, dtype=torch.float64, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.1, aggregation=aggregation)
+    loss, _ = loss_fn(lp, old, ref, adv, mask)
+    index = mask.flatten().nonzero().squeeze(1)
+    per_token = loss_fn.token_loss(old, ref, adv, mask, scale=3.0)(lp.flatten()[index], index)
+    assert per_token.shape == index.shape
+    assert torch.allclose(per_token.sum(), 3 * loss, rtol=1e-14)
+    (g_loss,) = torch.autograd.grad(3 * loss, lp)
+    (g_tok,) = torch.autograd.grad(per_token.sum(), lp)
+    assert torch.allclose(g_tok, g_loss, rtol=1e-14, atol=1e-16) and (g_tok[~mask] == 0).all()
+
+
 def test_kl_term_is_k3_and_its_gradient_pulls_to_the_reference():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0]])

@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -52,11 +53,26 @@ def useful_flops(model, n, p, r) -> float:
 
 
 def grpo_loss(lp, mask, p, adv, total_valid=None):
-    """GRPO-style loss over these rows, normalised by `total_valid` response tokens (default:
-    these rows' own), so micro-batches' losses sum to the whole batch's."""
+    """GRPO-style loss over these rows' response logprobs lp [B, R], normalised by
+    `total_valid` response tokens (default: these rows' own), so micro-batches' losses sum to
+    the whole batch's: grpo_token_loss summed over the valid tokens."""
+    index = mask[:, p:].flatten().nonzero().squeeze(1)
+    return grpo_token_loss(mask, p, adv, total_valid)(lp.flatten()[index], index).sum()
+
+
+def grpo_token_loss(mask, p, adv, total_valid=None):
+    """grpo_loss as response_loss's per-token function: at the first step ratio = 1, so
+    -adv * exp(lp - lp.detach()) has the gradient -adv; here lp's value is its own detach."""
     valid = mask[:, p:].float()
     total = valid.sum() if total_valid is None else total_valid
-    return ((-adv[:, None] * torch.exp(lp - lp.detach()) + 0.04 * lp.pow(2)) * valid).sum() / total
+    weights = (valid / total).flatten()
+    adv_tok = adv[:, None].expand_as(valid).flatten()
+
+    def token_loss(lp, index):
+        a = adv_tok[index].to(lp.dtype)
+        return (-a * torch.exp(lp - lp.detach()) + 0.04 * lp.pow(2)) * weights[index].to(lp.dtype)
+
+    return token_loss
 
 
 def set_checkpointing(model, on: bool) -> bool:
@@ -88,11 +104,13 @@ def _events() -> dict:
 
 
 def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None,
-             events: list | None = None) -> tuple[float, float]:
+             events: list | None = None, loss: str = "fused") -> tuple[float, float]:
     """(seconds, peak GiB) of one step; `opt` None: forward + backward only (`model` bench).
     `events`: the step's allocator and compile events (see _events) are appended to it.
     `micro_rows`: forward + backward in micro-batches of that many rows with the gradients
-    accumulated (the same gradient), as a trainer runs a batch that does not fit at once."""
+    accumulated (the same gradient), as a trainer runs a batch that does not fit at once.
+    `loss`: "fused" (response_loss: the LM head's backward in its forward) or "separate"
+    (response_logprobs, then the loss)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = _events()
@@ -101,8 +119,12 @@ def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None,
     total_valid = mask[:, p:].sum()
     for s in range(0, tokens.shape[0], rows):
         sl = slice(s, s + rows)
-        lp = wrapper.response_logprobs(tokens[sl], prompt_len=p, padding_mask=mask[sl])
-        grpo_loss(lp, mask[sl], p, adv[sl], total_valid).backward()
+        if loss == "fused":
+            wrapper.response_loss(tokens[sl], prompt_len=p, padding_mask=mask[sl],
+                                  token_loss=grpo_token_loss(mask[sl], p, adv[sl], total_valid))[0].backward()
+        else:
+            lp = wrapper.response_logprobs(tokens[sl], prompt_len=p, padding_mask=mask[sl])
+            grpo_loss(lp, mask[sl], p, adv[sl], total_valid).backward()
     if opt is not None:
         opt.step()
     model.zero_grad(set_to_none=True)
@@ -114,19 +136,28 @@ def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None,
     return sec, torch.cuda.max_memory_allocated() / 2**30
 
 
+class Variant(NamedTuple):
+    checkpointing: bool
+    wrapper: object
+    micro_rows: int | None
+    loss: str  # "fused" | "separate", see one_step
+
+
 def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> dict:
     """Warm every variant up (its first step compiles), then time them in interleaved steps
     (plain, dualkv, plain, ...) when both use the same checkpointing, else back to back. A
     variant that runs out of memory is reported as OOM."""
     results, live = {}, []
-    for name, (checkpointing, wrapper, micro) in variants.items():
-        set_checkpointing(model, checkpointing)
+    for name, v in variants.items():
+        set_checkpointing(model, v.checkpointing)
         torch.cuda.empty_cache()
         try:
             warm_events: list = []
-            first, _ = one_step(model, wrapper, tokens, mask, p, adv, opt, micro, warm_events)
+            first, _ = one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows,
+                                warm_events, v.loss)
             for _ in range(warmup - 1):
-                one_step(model, wrapper, tokens, mask, p, adv, opt, micro, warm_events)
+                one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows, warm_events,
+                         v.loss)
             results[name] = {"first_step_s": first, "step_ms_all": [], "peak_gib": 0.0,
                              "warmup_events": warm_events, "events_all": []}
             live.append(name)
@@ -135,15 +166,15 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
             model.zero_grad(set_to_none=True)
     # interleave only when no toggle is needed: toggling checkpointing retraces the optimized
     # model every step; with differing settings each variant's steps run back to back
-    same = len({variants[name][0] for name in live}) <= 1
+    same = len({variants[name].checkpointing for name in live}) <= 1
     order = [name for _ in range(steps) for name in live] if same else \
         [name for name in live for _ in range(steps)]
     for name in order:
-        checkpointing, wrapper, micro = variants[name]
-        if set_checkpointing(model, checkpointing):  # the switch retraces: not timed
-            one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
-        sec, peak = one_step(model, wrapper, tokens, mask, p, adv, opt, micro,
-                             results[name]["events_all"])
+        v = variants[name]
+        if set_checkpointing(model, v.checkpointing):  # the switch retraces: not timed
+            one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows, loss=v.loss)
+        sec, peak = one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows,
+                             results[name]["events_all"], v.loss)
         results[name]["step_ms_all"].append(sec * 1e3)
         results[name]["peak_gib"] = max(results[name]["peak_gib"], peak)
     for name in live:
@@ -175,6 +206,12 @@ def main(argv=None):
                     help="time response logprobs forward + backward only, no AdamW step")
     ap.add_argument("--attention-backend", choices=["auto", "flash", "triton", "regions"], default="auto",
                     help="the optimized model's attention kernel")
+    ap.add_argument("--loss", choices=["fused", "separate", "both"], default="fused",
+                    help="fused: response_loss (the LM head's backward in its forward); "
+                         "separate: response_logprobs, then the loss; both: time the optimized "
+                         "model both ways (the plain model runs the first)")
+    ap.add_argument("--no-plain", action="store_true",
+                    help="time only the optimized model (MFU runs; no speed-up)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, profile one step of each variant at the first "
@@ -193,7 +230,7 @@ def main(argv=None):
             "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing,
             "dualkv_checkpointing": args.dualkv_checkpointing, "optimizer": not args.no_optimizer,
             "attention_backend": args.attention_backend,
-            "plain_micro_batch": args.plain_micro_batch}
+            "plain_micro_batch": args.plain_micro_batch, "loss": args.loss}
     rows = []
     for n, p, r in args.shapes:
         g = torch.Generator().manual_seed(0)
@@ -204,13 +241,15 @@ def main(argv=None):
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
         row = {"N": n, "P": p, "R": r, "rho": packed.rho, "T": packed.seq_len,
                "useful_tflop": useful_flops(model, n, p, r) / 1e12}
-        variants = {
-            "plain": (args.plain_checkpointing == "on",
-                      dk.optimize(model, dk.DualKVConfig(enabled=False)), args.plain_micro_batch),
-            "dualkv": (args.dualkv_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(
-                activation_memory_budget=args.memory_budget,
-                attention_backend=args.attention_backend)), None),
-        }
+        dualkv = dk.optimize(model, dk.DualKVConfig(activation_memory_budget=args.memory_budget,
+                                                    attention_backend=args.attention_backend))
+        losses = ["fused", "separate"] if args.loss == "both" else [args.loss]
+        variants = {} if args.no_plain else {"plain": Variant(
+            args.plain_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(enabled=False)),
+            args.plain_micro_batch, losses[0])}
+        for loss in losses:
+            name = "dualkv" if loss == losses[0] else f"dualkv_{loss}_loss"
+            variants[name] = Variant(args.dualkv_checkpointing == "on", dualkv, None, loss)
         for name, res in run_variants(variants, model, tokens, mask, p, adv, opt,
                                       args.steps, args.warmup).items():
             if res["step_ms"]:
@@ -218,35 +257,49 @@ def main(argv=None):
                 res["mfu_useful"] = row["useful_tflop"] / (res["step_ms"] / 1e3) / args.peak_tflops
             row[name] = res
             print(json.dumps({"shape": [n, p, r], name: res}), flush=True)
-        if row["plain"]["step_ms"] and row["dualkv"]["step_ms"]:
+        if "plain" in row and row["plain"]["step_ms"] and row["dualkv"]["step_ms"]:
             row["speedup"] = row["plain"]["step_ms"] / row["dualkv"]["step_ms"]
             row["speedup_over_rho"] = row["speedup"] / row["rho"]
         rows.append(row)
         if args.profile and len(rows) == 1:
-            for name, (checkpointing, wrapper, micro) in variants.items():
-                set_checkpointing(model, checkpointing)
-                profile_step(name, model, wrapper, tokens, mask, p, adv, opt, micro)
+            for name, v in variants.items():
+                set_checkpointing(model, v.checkpointing)
+                profile_step(name, model, v, tokens, mask, p, adv, opt)
     table = markdown(meta, rows)
     print(table)
     write_results(args.out, meta, rows, table)
 
 
-def profile_step(name, model, wrapper, tokens, mask, p, adv, opt, micro=None):
+def profile_step(name, model, v: Variant, tokens, mask, p, adv, opt):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        one_step(model, wrapper, tokens, mask, p, adv, opt, micro)
+        one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows, loss=v.loss)
     print(f"--- profile: {name} ---")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
 
 
+class _NotRun(dict):
+    """The plain model's cells under --no-plain."""
+
+    def get(self, key, default=None):
+        return "-"
+
+
+_NOT_RUN = _NotRun(step_ms="-")
+
+
 def _f(x, spec):
-    return "OOM" if x is None else format(x, spec)
+    return "OOM" if x is None else "-" if x == "-" else format(x, spec)
 
 
 def markdown(meta, rows):
     what = "response logprobs fwd + bwd + AdamW" if meta.get("optimizer", True) else \
         "response logprobs fwd + bwd, no optimizer step"
+    what += {"fused": ", the loss fused into the LM head",
+             "separate": ", the loss after the logprobs",
+             "both": "; the loss fused into the LM head, and separately where named"
+             }.get(meta.get("loss"), "")
     head = (f"GRPO policy update ({what}), Qwen3-8B-shaped decoder "
             f"with {meta['layers']} layers ({meta['params'] / 1e9:.2f}B params incl. embeddings, "
             f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
@@ -261,16 +314,24 @@ def markdown(meta, rows):
     cols = ["N", "P", "R", "rho", "plain ms", "dualkv ms", "speed-up", "speed-up/rho",
             "plain GiB", "dualkv GiB", "plain tok/s", "dualkv tok/s", "plain MFU", "dualkv MFU"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    notes = []
     for r in rows:
-        a, b = r["plain"], r["dualkv"]
+        a, b = r.get("plain", _NOT_RUN), r["dualkv"]
+        no_ratio = a.get("speedup")  # "-" when the plain model did not run, None (OOM) otherwise
+        for name in r:
+            if name.startswith("dualkv_") and isinstance(r[name], dict):
+                o = r[name]
+                notes.append(f"- ({r['N']}, {r['P']}, {r['R']}) {name}: "
+                             f"{_f(o['step_ms'], '.0f')} ms, {_f(o.get('peak_gib'), '.1f')} GiB, "
+                             f"useful MFU {_f(o.get('mfu_useful'), '.1%')}")
         lines.append("| " + " | ".join([
             str(r["N"]), str(r["P"]), str(r["R"]), f"{r['rho']:.2f}",
-            _f(a["step_ms"], ".0f"), _f(b["step_ms"], ".0f"), _f(r.get("speedup"), ".2f"),
-            _f(r.get("speedup_over_rho"), ".2f"), _f(a.get("peak_gib"), ".1f"),
+            _f(a["step_ms"], ".0f"), _f(b["step_ms"], ".0f"), _f(r.get("speedup", no_ratio), ".2f"),
+            _f(r.get("speedup_over_rho", no_ratio), ".2f"), _f(a.get("peak_gib"), ".1f"),
             _f(b.get("peak_gib"), ".1f"), _f(a.get("tokens_per_s"), ".0f"),
             _f(b.get("tokens_per_s"), ".0f"), _f(a.get("mfu_useful"), ".1%"),
             _f(b.get("mfu_useful"), ".1%")]) + " |")
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 if __name__ == "__main__":

@@ -71,22 +71,52 @@ class GRPOLoss:
                  advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """logprobs/old/ref [B, R], advantages [B], mask [B, R] (True = response token).
         Returns (loss, stats) with stats kl, clip_fraction and ratio (detached means)."""
-        m = mask.to(logprobs.dtype)
-        ratio = torch.exp(logprobs - old_logprobs)
-        adv = advantages[:, None].to(logprobs.dtype)
-        clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
-        policy = -torch.minimum(ratio * adv, clipped * adv)
-        diff = ref_logprobs - logprobs
-        kl = torch.exp(diff) - diff - 1
-        per_token = policy + self.kl_coef * kl
+        adv = advantages[:, None].expand_as(logprobs)
+        per_token = self._per_token(logprobs, old_logprobs, ref_logprobs, adv)
+        loss = (per_token * self.token_weights(mask).to(per_token.dtype)).sum()
+        return loss, self.stats(logprobs, old_logprobs, ref_logprobs, mask)
+
+    def token_weights(self, mask: Tensor) -> Tensor:
+        """[B, R]: the loss is the sum of the per-token terms times these (the aggregation)."""
+        m = mask.to(torch.float64)
         if self.aggregation == "token":
-            loss = (per_token * m).sum() / m.sum().clamp_min(1)
-        else:
-            per_seq = (per_token * m).sum(1) / m.sum(1).clamp_min(1)
-            loss = per_seq.mean()
-        with torch.no_grad():
-            n = m.sum().clamp_min(1)
-            stats = {"kl": (kl * m).sum() / n,
-                     "clip_fraction": ((ratio != clipped).to(m.dtype) * m).sum() / n,
-                     "ratio": (ratio * m).sum() / n}
-        return loss, stats
+            return m / m.sum().clamp_min(1)
+        return m / (m.sum(1, keepdim=True).clamp_min(1) * m.shape[0])
+
+    def token_loss(self, old_logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor,
+                   mask: Tensor, *, scale: float = 1.0):
+        """This loss (times `scale`) as the per-token function that
+        `DualKVModel.response_loss` takes: (logprobs [M], flat index [M] into [B, R]) -> [M]."""
+        weights = (self.token_weights(mask) * scale).flatten()
+        old, ref = old_logprobs.flatten(), ref_logprobs.flatten()
+        adv = advantages[:, None].expand_as(old_logprobs).flatten()
+
+        def loss(logprobs: Tensor, index: Tensor) -> Tensor:
+            per_token = self._per_token(logprobs, old[index], ref[index], adv[index])
+            return per_token * weights[index].to(per_token.dtype)
+
+        return loss
+
+    def _ratio_kl(self, logprobs, old_logprobs, ref_logprobs):
+        """Elementwise: the ratio to the sampling policy, it clipped, the k3 KL estimate."""
+        ratio = torch.exp(logprobs - old_logprobs)
+        diff = ref_logprobs - logprobs
+        return (ratio, ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high),
+                torch.exp(diff) - diff - 1)
+
+    def _per_token(self, logprobs, old_logprobs, ref_logprobs, advantages):
+        """The clipped policy term plus the KL term of each token; elementwise."""
+        ratio, clipped, kl = self._ratio_kl(logprobs, old_logprobs, ref_logprobs)
+        adv = advantages.to(logprobs.dtype)
+        return -torch.minimum(ratio * adv, clipped * adv) + self.kl_coef * kl
+
+    @torch.no_grad()
+    def stats(self, logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor,
+              mask: Tensor) -> dict[str, Tensor]:
+        """Token means of the KL estimate, the clipped fraction and the ratio."""
+        m = mask.to(logprobs.dtype)
+        n = m.sum().clamp_min(1)
+        ratio, clipped, kl = self._ratio_kl(logprobs, old_logprobs, ref_logprobs)
+        return {"kl": (kl * m).sum() / n,
+                "clip_fraction": ((ratio != clipped).to(m.dtype) * m).sum() / n,
+                "ratio": (ratio * m).sum() / n}
