@@ -175,6 +175,10 @@ def run_shape(n, p, r, hq, hkv, d, args):
         return row
     for name, ms in medians.items():
         row[name].update(ms=ms, tflops=pairs[name] * flop_per_pair / ms / 1e9)
+    if args.split:  # the two whose kernels name their direction
+        for name in ("dense_cudnn", "ours_flash"):
+            if name in variants:
+                row[name].update(forward_backward_split(variants[name][0]))
     dense_ms = [row[f"dense_{b}"].get("ms") for b in ("flash", "cudnn")]
     dense_ms = [x for x in dense_ms if x]
     for name in [o for o, _ in ours] + ["cudnn_region_floor"]:
@@ -182,6 +186,51 @@ def run_shape(n, p, r, hq, hkv, d, args):
             row[name]["speedup_vs_best_dense"] = min(dense_ms) / row[name]["ms"]
             row[name]["speedup_over_ideal"] = row[name]["speedup_vs_best_dense"] / pb.pair_reduction
     return row
+
+
+_FORWARD_KERNELS = ("fprop", "Forward")  # cuDNN's and FA4's forward kernels
+
+
+def forward_backward_split(fn, calls: int = 3) -> dict:
+    """GPU time of fn (forward + backward) split by kernel name, from the profiler, averaged
+    over `calls` calls: forward = the attention forward kernels; backward = all the rest
+    (backward kernels, their pre/post-processing, gradient accumulation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    fwd = total = 0.0
+    for e in prof.key_averages():
+        t = e.self_device_time_total / 1e3 / calls  # us -> ms per call
+        total += t
+        if any(k in e.key for k in _FORWARD_KERNELS):
+            fwd += t
+    return {"fwd_ms": fwd, "bwd_ms": total - fwd}
+
+
+def split_markdown(rows) -> str:
+    """Forward and backward apart, each against cuDNN dense, divided by the ideal."""
+    ours = [k for k in rows[0] if k.startswith("ours_") and "fwd_ms" in rows[0][k]]
+    cols = ["N", "P", "R", "cuDNN fwd ms", "cuDNN bwd ms"]
+    for o in ours:
+        cols += [f"{o} fwd ms", f"{o} fwd x/ideal", f"{o} bwd ms", f"{o} bwd x/ideal"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        dense = r["dense_cudnn"]
+        cells = [str(r["N"]), str(r["P"]), str(r["R"]), fmt(dense.get("fwd_ms"), ".2f"),
+                 fmt(dense.get("bwd_ms"), ".2f")]
+        for o in ours:
+            x = r.get(o, {})
+            for part in ("fwd", "bwd"):
+                ms, ref = x.get(f"{part}_ms"), dense.get(f"{part}_ms")
+                cells += [fmt(ms, ".2f"), fmt(ref / ms / r["pair_reduction"]
+                                              if ms and ref else None, ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return ("\nForward and backward apart (profiler GPU time of one call, mean of 3; forward "
+            "= the attention forward kernels, backward = the rest):\n\n" + "\n".join(lines) + "\n")
 
 
 def fmt(x, spec):
@@ -217,7 +266,8 @@ def markdown(meta, rows) -> str:
             cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_over_ideal"), ".2f")]
         cells += [f"{r['pair_reduction']:.2f}x", f"{r['block_mask_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n"
+    split = bool(rows) and "fwd_ms" in rows[0].get("dense_cudnn", {})
+    return head + "\n".join(lines) + "\n" + (split_markdown(rows) if split else "")
 
 
 def main(argv=None):
@@ -235,6 +285,9 @@ def main(argv=None):
                          "cuDNN over the two KV regions)")
     ap.add_argument("--dynamic", action="store_true",
                     help="also time the Triton op compiled with a symbolic T")
+    ap.add_argument("--split", action="store_true",
+                    help="also profile cuDNN dense and ours_flash and report their forward and "
+                         "backward GPU time apart")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

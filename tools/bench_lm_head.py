@@ -1,6 +1,8 @@
 """LM-head benchmark: response logprobs through `chunked_logprobs`, forward + backward, bf16,
 the fused CUDA kernels against the same functions run eagerly (unfused; the weight-gradient
-sum is the same in both), at several chunk sizes, interleaved in one process. Not a test.
+sum is the same in both), and a per-token loss fused into the LM head (`chunked_token_loss`:
+the gradients computed in the forward, no recomputed logits), at several chunk sizes,
+interleaved in one process. Not a test.
 
     python -m dualkv_compile.tools.bench lm-head --rows 32768 --out docs/results/lm_head_h100
 
@@ -49,16 +51,21 @@ def main(argv=None):
         targets = torch.randint(0, args.vocab, (rows,), device="cuda", generator=g)
         cot = torch.randn(rows, device="cuda", generator=g)
 
-        def step(chunk, eager):
+        def step(chunk, kind):
             def fn():
-                with mock.patch.object(lp, "_kernels", _eager_kernels) if eager else \
+                if kind == "loss fused":
+                    loss, _ = lp.chunked_token_loss(h, w, targets, lambda x, i: x * cot[i],
+                                                    chunk_size=chunk)
+                    loss.backward()
+                    return
+                with mock.patch.object(lp, "_kernels", _eager_kernels) if kind == "eager" else \
                         contextlib.nullcontext():
                     out = lp.chunked_logprobs(h, w, targets, chunk_size=chunk)
                     (out * cot).sum().backward()
             return fn
 
-        variants = {f"{kind} chunk {c}": (step(c, kind == "eager"), [h, w])
-                    for c in args.chunks for kind in ("eager", "fused")}
+        variants = {f"{kind} chunk {c}": (step(c, kind), [h, w])
+                    for c in args.chunks for kind in ("eager", "fused", "loss fused")}
         peaks = {}
         for name, (fn, _) in variants.items():  # warm up (compiles), and the peak memory
             torch.cuda.reset_peak_memory_stats()
