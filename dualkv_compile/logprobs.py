@@ -165,15 +165,19 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
     return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
 
 
+def _checked(losses, logprobs: Tensor) -> Tensor:
+    if not isinstance(losses, Tensor) or losses.shape != logprobs.shape:
+        got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(f"token_loss must return one loss per token, shape "
+                         f"{tuple(logprobs.shape)}; got {got}")
+    return losses
+
+
 def _token_loss_grad(token_loss, logprobs: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
     """(the chunk's per-token losses, detached; d sum / d logprobs), both [c]."""
     with torch.enable_grad():
         x = logprobs.detach().requires_grad_()
-        losses = token_loss(x, index)
-        if not isinstance(losses, Tensor) or losses.shape != x.shape:
-            got = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-            raise ValueError(f"token_loss must return one loss per token, shape {tuple(x.shape)}; "
-                             f"got {got}")
+        losses = _checked(token_loss(x, index), x)
         if not losses.requires_grad:
             raise ValueError("token_loss's result does not depend on the logprobs it was given")
         (grad,) = torch.autograd.grad(losses.sum(), x)
@@ -250,7 +254,6 @@ def chunked_token_loss(hidden: Tensor, weight: Tensor, targets: Tensor, token_lo
     if not wants_grad or torch.compiler.is_compiling():
         logprobs = chunked_logprobs(hidden, weight, targets, temperature=temperature,
                                     chunk_size=chunk_size)
-        losses = token_loss(logprobs, index)
-        return losses.sum(), logprobs.detach()
+        return _checked(token_loss(logprobs, index), logprobs).sum(), logprobs.detach()
     return _ChunkedTokenLoss.apply(hidden, weight, targets, index, float(temperature),
                                    int(chunk_size), token_loss)

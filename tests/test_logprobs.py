@@ -189,6 +189,8 @@ def test_token_loss_bad_arguments():
     t = torch.tensor([0, 5, 1])
     with pytest.raises(ValueError, match=r"one loss per token, shape \(3,\); got \(\)"):
         chunked_token_loss(h, w, t, lambda lp, i: lp.sum())
+    with torch.no_grad(), pytest.raises(ValueError, match="one loss per token"):
+        chunked_token_loss(h, w, t, lambda lp, i: lp[:1])
     with pytest.raises(ValueError, match="does not depend on the logprobs"):
         chunked_token_loss(h, w, t, lambda lp, i: torch.zeros_like(lp))
     with pytest.raises(ValueError, match=r"index \(2,\) must both be \[M\] with M = 3"):
