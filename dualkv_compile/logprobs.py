@@ -106,6 +106,25 @@ def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
         acc += (g.T @ h).to(acc.dtype)
 
 
+def _grad_buffers(ctx, hidden: Tensor, weight: Tensor, wide: torch.dtype):
+    """The hidden-state gradient [M, d] and the weight gradient [V, d] (wide, summed over
+    chunks), each None where no gradient is wanted."""
+    grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) \
+        if ctx.needs_input_grad[1] else None
+    return grad_h, grad_w
+
+
+def _add_chunk_grads(grad_h, grad_w, g: Tensor, h: Tensor, weight: Tensor, start: int) -> None:
+    """g = d loss / d logits of the chunk of hidden states h at `start`. The matmuls run in the
+    model's dtype (tensor cores for bf16, accumulating in fp32); the weight gradient is summed
+    over chunks in the wide dtype."""
+    if grad_h is not None:
+        grad_h[start:start + g.shape[0]] = (g @ weight).to(grad_h.dtype)
+    if grad_w is not None:
+        _accumulate_weight_grad(grad_w, g, h)
+
+
 def _check_targets(targets: Tensor, vocab: int) -> None:
     # an out-of-range target would silently pick nothing (the one-hot is empty); checked on
     # the device, without a host sync, as gather's bounds check was
@@ -135,22 +154,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         _, grad_fn = _kernels(hidden.device)
         chunk = ctx.chunk
         grad_out = grad_out.to(lse.dtype).contiguous()
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_h, grad_w = _grad_buffers(ctx, hidden, weight, lse.dtype)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            # the matmuls run in the model's dtype (tensor cores for bf16; they accumulate in
-            # fp32); the weight gradient is summed over chunks in the wide dtype
             g = grad_fn(h @ weight.T, lse[s:s + chunk], targets[s:s + chunk],
                         grad_out[s:s + chunk], t)
-            if grad_h is not None:
-                grad_h[s:s + chunk] = (g @ weight).to(hidden.dtype)
-            if grad_w is not None:
-                _accumulate_weight_grad(grad_w, g, h)
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None
+            _add_chunk_grads(grad_h, grad_w, g, h, weight, s)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
@@ -193,9 +203,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         logprobs = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         loss = torch.zeros((), dtype=wide, device=hidden.device)
         t = torch.full((), temperature, dtype=wide, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_h, grad_w = _grad_buffers(ctx, hidden, weight, wide)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
             logits = h @ weight.T
@@ -205,13 +213,8 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             loss += losses.sum()
             g = grad_fn(logits, lse, targets[s:s + chunk], grad_lp.to(wide).contiguous(), t)
             del logits
-            if grad_h is not None:
-                grad_h[s:s + chunk] = (g @ weight).to(hidden.dtype)
-            if grad_w is not None:
-                _accumulate_weight_grad(grad_w, g, h)
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        ctx.save_for_backward(grad_h, grad_w)
+            _add_chunk_grads(grad_h, grad_w, g, h, weight, s)
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(logprobs)
         return loss, logprobs
 

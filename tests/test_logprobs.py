@@ -199,3 +199,16 @@ def test_token_loss_bad_arguments():
         chunked_token_loss(h, w, t, lambda lp, i: lp, temperature=-1)
     with pytest.raises(RuntimeError):
         chunked_token_loss(h, w, torch.tensor([0, 6, 1]), lambda lp, i: lp)
+
+
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_token_loss_with_one_input_frozen(frozen):
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(5, 8, dtype=torch.float64, generator=g, requires_grad=frozen != "hidden")
+    w = torch.randn(13, 8, dtype=torch.float64, generator=g, requires_grad=frozen != "weight")
+    t = torch.randint(0, 13, (5,), generator=g)
+    live = w if frozen == "hidden" else h
+    loss, _ = chunked_token_loss(h, w, t, lambda lp, i: lp * (i + 1), chunk_size=2)
+    ref = (chunked_logprobs(h, w, t) * torch.arange(1, 6)).sum()
+    (ours,), (expect,) = torch.autograd.grad(loss, live), torch.autograd.grad(ref, live)
+    assert rel_err(ours, expect) < 1e-13
