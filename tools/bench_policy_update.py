@@ -56,8 +56,8 @@ def grpo_loss(lp, mask, p, adv, total_valid=None):
     """GRPO-style loss over these rows' response logprobs lp [B, R], normalised by
     `total_valid` response tokens (default: these rows' own), so micro-batches' losses sum to
     the whole batch's: grpo_token_loss summed over the valid tokens."""
-    index = mask[:, p:].flatten().nonzero().squeeze(1)
-    return grpo_token_loss(mask, p, adv, total_valid)(lp.flatten()[index], index).sum()
+    index = torch.arange(lp.numel(), device=lp.device)  # padding weighs 0; no host sync
+    return grpo_token_loss(mask, p, adv, total_valid)(lp.flatten(), index).sum()
 
 
 def grpo_token_loss(mask, p, adv, total_valid=None):
