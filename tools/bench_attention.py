@@ -57,6 +57,24 @@ def dense_variant(backend, q, k, v, gout):
     raise RuntimeError(f"SDPA backend {backend} cannot run this shape: {last}")
 
 
+def fa4_dense_variant(n, length, hq, hkv, d):
+    """fwd+bwd closure for flash-attn-4's own dense causal kernel on the replicated batch (its
+    [B, T, H, D] layout, native GQA, its default options): the kernel family of our FLASH
+    backend without a mask_mod or block sparsity, for telling the kernel's per-pair efficiency
+    at a length from what the shared-prefix mask costs."""
+    from flash_attn.cute import flash_attn_func
+
+    x = [torch.randn(n, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+         for h in (hq, hkv, hkv)]
+    gout = torch.randn(n, length, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out = flash_attn_func(*x, causal=True)
+        (out[0] if isinstance(out, tuple) else out).backward(gout)
+    run()
+    return run, x
+
+
 def region_floor(n, p, r, hq, hkv, d):
     """fwd+bwd of the three cuDNN calls the regions backend makes for one group, on tensors of
     their own: the prompt causally, N responses of R causally, N*R response tokens against the
@@ -159,6 +177,14 @@ def run_shape(n, p, r, hq, hkv, d, args):
         row[name] = {"first_call_s": time.perf_counter() - t3}
         variants[name], pairs[name] = (fn, [qp, kp, vp]), packed_pairs
 
+    if args.fa4_dense:
+        try:
+            variants["fa4_dense"] = fa4_dense_variant(n, length, hq, hkv, d)
+            pairs["fa4_dense"] = replicated_pairs
+            row["fa4_dense"] = {}
+        except torch.OutOfMemoryError:
+            row["fa4_dense"] = {"ms": None, "error": "OOM"}
+
     if "regions" in args.backends:
         try:
             variants["cudnn_region_floor"] = region_floor(n, p, r, hq, hkv, d)
@@ -175,12 +201,14 @@ def run_shape(n, p, r, hq, hkv, d, args):
         return row
     for name, ms in medians.items():
         row[name].update(ms=ms, tflops=pairs[name] * flop_per_pair / ms / 1e9)
-    if args.split:  # the two whose kernels name their direction
-        for name in ("dense_cudnn", "ours_flash"):
+    if args.split:  # those whose kernels name their direction
+        for name in ("dense_cudnn", "ours_flash", "fa4_dense"):
             if name in variants:
                 row[name].update(forward_backward_split(variants[name][0]))
     dense_ms = [row[f"dense_{b}"].get("ms") for b in ("flash", "cudnn")]
     dense_ms = [x for x in dense_ms if x]
+    if row.get("fa4_dense", {}).get("ms") and row["dense_cudnn"].get("ms"):
+        row["fa4_dense"]["speedup_vs_cudnn"] = row["dense_cudnn"]["ms"] / row["fa4_dense"]["ms"]
     for name in [o for o, _ in ours] + ["cudnn_region_floor"]:
         if dense_ms and row.get(name, {}).get("ms"):
             row[name]["speedup_vs_best_dense"] = min(dense_ms) / row[name]["ms"]
@@ -213,7 +241,8 @@ def forward_backward_split(fn, calls: int = 3) -> dict:
 
 def split_markdown(rows) -> str:
     """Forward and backward apart, each against cuDNN dense, divided by the ideal."""
-    ours = [k for k in rows[0] if k.startswith("ours_") and "fwd_ms" in rows[0][k]]
+    ours = [k for k in rows[0] if (k.startswith("ours_") or k == "fa4_dense")
+            and "fwd_ms" in rows[0][k]]
     cols = ["N", "P", "R", "cuDNN fwd ms", "cuDNN bwd ms"]
     for o in ours:
         cols += [f"{o} fwd ms", f"{o} fwd x/ideal", f"{o} bwd ms", f"{o} bwd x/ideal"]
@@ -226,11 +255,12 @@ def split_markdown(rows) -> str:
             x = r.get(o, {})
             for part in ("fwd", "bwd"):
                 ms, ref = x.get(f"{part}_ms"), dense.get(f"{part}_ms")
-                cells += [fmt(ms, ".2f"), fmt(ref / ms / r["pair_reduction"]
-                                              if ms and ref else None, ".2f")]
+                ideal = 1.0 if o == "fa4_dense" else r["pair_reduction"]  # dense: same pairs
+                cells += [fmt(ms, ".2f"), fmt(ref / ms / ideal if ms and ref else None, ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     return ("\nForward and backward apart (profiler GPU time of one call, mean of 3; forward "
-            "= the attention forward kernels, backward = the rest):\n\n" + "\n".join(lines) + "\n")
+            "= the attention forward kernels, backward = the rest; fa4_dense's x/ideal is its "
+            "speed-up over cuDNN on the same replicated batch):\n\n" + "\n".join(lines) + "\n")
 
 
 def fmt(x, spec):
@@ -252,6 +282,9 @@ def markdown(meta, rows) -> str:
     floor = bool(rows) and "cudnn_region_floor" in rows[0]
     if floor:
         cols += ["cuDNN region floor ms", "floor x/ideal"]
+    fa4 = bool(rows) and "fa4_dense" in rows[0]
+    if fa4:
+        cols += ["FA4 dense ms", "FA4 dense x cuDNN"]
     cols += ["ideal", "mask build ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -264,6 +297,9 @@ def markdown(meta, rows) -> str:
         if floor:
             x = r.get("cudnn_region_floor", {})
             cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_over_ideal"), ".2f")]
+        if fa4:
+            x = r.get("fa4_dense", {})
+            cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_vs_cudnn"), ".2f")]
         cells += [f"{r['pair_reduction']:.2f}x", f"{r['block_mask_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     split = bool(rows) and "fwd_ms" in rows[0].get("dense_cudnn", {})
@@ -288,6 +324,9 @@ def main(argv=None):
     ap.add_argument("--split", action="store_true",
                     help="also profile cuDNN dense and ours_flash and report their forward and "
                          "backward GPU time apart")
+    ap.add_argument("--fa4-dense", action="store_true",
+                    help="also time flash-attn-4's dense causal kernel on the replicated batch "
+                         "(a diagnostic next to cuDNN, not a baseline of the speed-ups)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

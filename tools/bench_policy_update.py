@@ -212,6 +212,9 @@ def main(argv=None):
                          "model both ways (the plain model runs the first)")
     ap.add_argument("--no-plain", action="store_true",
                     help="time only the optimized model (MFU runs; no speed-up)")
+    ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="torch._inductor.config settings for the optimized model's compile, "
+                         "e.g. max_autotune_gemm=True triton.enable_persistent_tma_matmul=True")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, profile one step of each variant at the first "
@@ -219,6 +222,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
+    inductor = _inductor_settings(ap, args.inductor)
     import transformers
 
     model = build_model(args.layers, args.vocab)
@@ -230,7 +234,8 @@ def main(argv=None):
             "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing,
             "dualkv_checkpointing": args.dualkv_checkpointing, "optimizer": not args.no_optimizer,
             "attention_backend": args.attention_backend,
-            "plain_micro_batch": args.plain_micro_batch, "loss": args.loss}
+            "plain_micro_batch": args.plain_micro_batch, "loss": args.loss,
+            "inductor": inductor}
     rows = []
     for n, p, r in args.shapes:
         g = torch.Generator().manual_seed(0)
@@ -250,8 +255,12 @@ def main(argv=None):
         for loss in losses:
             name = "dualkv" if loss == losses[0] else f"dualkv_{loss}_loss"
             variants[name] = Variant(args.dualkv_checkpointing == "on", dualkv, None, loss)
-        for name, res in run_variants(variants, model, tokens, mask, p, adv, opt,
-                                      args.steps, args.warmup).items():
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(inductor):
+            results = run_variants(variants, model, tokens, mask, p, adv, opt, args.steps,
+                                   args.warmup)
+        for name, res in results.items():
             if res["step_ms"]:
                 res["tokens_per_s"] = n * (p + r) / (res["step_ms"] / 1e3)
                 res["mfu_useful"] = row["useful_tflop"] / (res["step_ms"] / 1e3) / args.peak_tflops
@@ -270,13 +279,43 @@ def main(argv=None):
     write_results(args.out, meta, rows, table)
 
 
+def _inductor_settings(ap, items: list[str]) -> dict:
+    """KEY=VALUE strings -> {key: value}, values parsed as Python literals (True, 3, "x") and
+    kept as strings otherwise; unknown keys are an error naming them."""
+    import ast
+
+    from torch._inductor import config as inductor_config
+
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep:
+            ap.error(f"--inductor {item!r} is not KEY=VALUE")
+        try:
+            inductor_config.get_config_copy()[key]
+        except KeyError:
+            ap.error(f"--inductor: torch._inductor.config has no setting {key!r}")
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
 def profile_step(name, model, v: Variant, tokens, mask, p, adv, opt):
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows, loss=v.loss)
     print(f"--- profile: {name} ---")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
+    gemms = [e for e in prof.key_averages(group_by_input_shape=True)
+             if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")]
+    print(f"--- matmuls by input shape: {name} ---")
+    for e in sorted(gemms, key=lambda e: -e.device_time_total):
+        print(f"{e.key:12s} calls {e.count:4d}  GPU {e.device_time_total / 1e3:9.2f} ms  "
+              f"shapes {e.input_shapes}")
 
 
 class _NotRun(dict):
