@@ -44,11 +44,7 @@ def _chunk_stats(logits: Tensor, targets: Tensor, temperature: Tensor) -> tuple[
     """logits [c, V] (model dtype), temperature 0-d (wide) -> (logprob of each target,
     logsumexp), both [c], wide."""
     z = logits.to(_wide(logits.dtype)) / temperature
-    # logsumexp spelled as max, exp(z - max), sum: Inductor's online-softmax pattern, so the
-    # CUDA kernel reads each row once instead of twice (torch.logsumexp's decomposition guards
-    # infinite maxima, which the pattern does not match); the logits of a chunk are finite
-    zmax = z.amax(dim=-1, keepdim=True)
-    lse = ((z - zmax).exp().sum(dim=-1, keepdim=True).log() + zmax).squeeze(-1)
+    lse = torch.logsumexp(z, dim=-1)
     picked = torch.where(_onehot(logits, targets), z, 0).sum(-1)
     return picked - lse, lse
 
