@@ -303,8 +303,8 @@ class GRPORecipe:
             loss_sum, kl_sum, logprob_sum, rewards.sum(), rewards.shape[0], sampled.sum(),
             sampled.numel(), lengths.sum(), packed.replicated_tokens, packed.num_tokens,
             policy_update_flops(self.model, packed))
-        step_time, update_time, peak = ddp.all_max(t_end - t0, t_end - t_rollout,
-                                                   _peak_memory_gib(self.device))
+        step_time, rollout_time, update_time, peak = ddp.all_max(
+            t_end - t0, t_rollout - t0, t_end - t_rollout, _peak_memory_gib(self.device))
         # reward: over the groups trained on; sampled_reward: over every response sampled
         # (they differ only with dynamic sampling, which drops groups whose rewards are equal)
         return {"reward": reward_sum / (n_groups * cfg.group_size),
@@ -312,7 +312,8 @@ class GRPORecipe:
                 "kl": kl_sum, "grad_norm": float(grad_norm), "response_logprob": logprob_sum,
                 "response_length": length_sum / total_rows,
                 "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,
-                "step_time_s": step_time, "policy_update_s": update_time,
+                "step_time_s": step_time, "rollout_s": rollout_time,
+                "policy_update_s": update_time,
                 "peak_memory_gib": peak, **self._mfu(flops, update_time)}
 
     def _mfu(self, flops: float, seconds: float) -> dict:

@@ -28,6 +28,7 @@ def test_shrunk_shape_config_runs_both_ways_and_agrees(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert a["response_length"] == 6  # the config's tokenizer has no eos: fixed shapes
         assert a["policy_update_s"] > 0 and a["peak_memory_gib"] > 0
+        assert 0 < a["rollout_s"] < a["step_time_s"]
         assert a["grad_norm"] > 1e-3, a  # samples differ in reward: advantages are not all 0
 
 
