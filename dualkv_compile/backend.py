@@ -2,7 +2,8 @@
 
 Passes, in order, on a copy of the graph: checkpoint inlining (activation-checkpointed layers
 become plain nodes tagged for recompute), attention rewrite (SDPA -> shared-prefix flex, the
-model's mask code removed), token-locality proof, and for response_logprobs the LM-head cut.
+model's mask code removed), token-locality proof, for response_logprobs the LM-head cut, and
+position tables (RoPE's cos/sin) stored once instead of recomputed in every consumer kernel.
 Then Inductor (CUDA), aot_eager (CPU: Inductor's CPU flex has no backward) or eager; both run
 the attention-saving pass on the joint graph before the partitioner decides what to recompute.
 """
@@ -15,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from dualkv_compile.passes import (attention_rewrite, attention_saving, checkpoint_inline,
-                                   lm_head, token_locality)
+                                   lm_head, position_tables, token_locality)
 
 from .kernel_options import validate_kernel_options
 from .stats import counters
@@ -29,7 +30,7 @@ def pass_uuids() -> dict[str, str]:
     """Cache ids of the passes; they change whenever a pass's source changes."""
     return {m.__name__.split(".")[-1]: m.uuid()
             for m in (checkpoint_inline, attention_rewrite, token_locality, lm_head,
-                      attention_saving)}
+                      position_tables, attention_saving)}
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -79,6 +80,8 @@ class DualKVBackend:
         if self.mode == "hidden":
             lm_head.prune_lm_head(gm.graph, self.vocab_size)
             observe("lm_head", gm)
+        if position_tables.materialize_position_tables(gm.graph, tokens):
+            observe("position_tables", gm)
         gm.graph.lint()
         gm.recompile()
         self.last_graph = gm

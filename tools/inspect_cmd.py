@@ -19,7 +19,8 @@ STAGES = {"traced": "graph traced by Dynamo (before the passes)",
           "checkpoint_inline": "after inlining the activation-checkpointed layers",
           "attention_rewrite": "after the attention rewrite",
           "token_locality": "after the token-locality proof (unchanged when proven)",
-          "lm_head": "after the LM-head cut"}
+          "lm_head": "after the LM-head cut",
+          "position_tables": "after storing the position tables (RoPE's cos/sin computed once)"}
 
 
 def _head_dim(model) -> int | None:

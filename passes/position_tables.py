@@ -1,0 +1,121 @@
+"""Position tables, computed once per call: tensors that depend only on the positions (RoPE's
+cos and sin, computed from the position ids inside transformers models) are stored once
+instead of being recomputed inside every kernel that reads them.
+
+Inductor inlines cheap pointwise producers into their consumers. For RoPE that means cos and
+sin of position x frequency are recomputed in each layer's q and k kernels, forward and
+backward, which makes those kernels compute-bound. This pass finds the float tensors that
+depend on nothing but the positions, the layout tables, constants and buffers that take no
+gradient, and that feed an op which depends on more than that. It routes each of them through
+`dualkv::materialize`, an opaque copy that Inductor cannot inline, so the consumers load the
+values instead of recomputing them. The values are unchanged: the pass only decides where
+they are computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from dualkv_compile.stats import counters
+
+from ._common import example, pass_uuid
+
+__all__ = ["materialize_position_tables", "uuid"]
+
+# tables smaller than this are cheaper to recompute than to store and load
+_MIN_ELEMENTS = 256
+
+
+@torch.library.custom_op("dualkv::materialize", mutates_args=())
+def materialize(x: Tensor) -> Tensor:
+    """A copy of x that the compiler keeps as a stored tensor."""
+    return x.clone()
+
+
+@materialize.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _backward(ctx, grad: Tensor) -> Tensor:
+    return grad
+
+
+materialize.register_autograd(_backward)
+
+
+def uuid() -> str:
+    return pass_uuid(__file__)
+
+
+def _takes_grad(node: fx.Node) -> bool:
+    value = example(node)
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+def _position_only(graph: fx.Graph, activations: fx.Node) -> set[fx.Node]:
+    """Nodes whose value depends on no activation (`activations`: the tokens, or a layer's
+    hidden states) and no tensor that takes a gradient."""
+    only: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output" or node is activations:
+            continue
+        if node.op in ("placeholder", "get_attr"):
+            if not _takes_grad(node):
+                only.add(node)
+            continue
+        inputs = node.all_input_nodes
+        if all(i in only for i in inputs) and not _takes_grad(node):
+            only.add(node)
+    return only
+
+
+_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose",
+          "permute", "flatten", "unflatten", "getitem", "narrow", "select"}
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
+
+
+def _float_tensor(node) -> bool:
+    value = example(node)
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
+def _stored_source(node: fx.Node, only: set[fx.Node]) -> fx.Node:
+    """The node that computes what `node` views: up through views and indexing of
+    position-only float tensors, so that one stored table serves every view of it."""
+    while (_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node)
+           and node.args[0] in only and _float_tensor(node.args[0])):
+        node = node.args[0]
+    return node
+
+
+def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
+    """Route each position-only float tensor that feeds other work (or the tensor it is a view
+    of) through dualkv::materialize. Returns how many tensors are now stored."""
+    only = _position_only(graph, activations)
+    sources: list[fx.Node] = []
+    for node in graph.nodes:
+        if (node in only and _float_tensor(node)
+                and any(u not in only and u.op != "output" for u in node.users)):
+            source = _stored_source(node, only)
+            if source.op not in ("placeholder", "get_attr") and source not in sources:
+                sources.append(source)
+    routed = 0
+    for source in sources:
+        value = example(source)
+        if value.numel() < _MIN_ELEMENTS:
+            continue
+        with graph.inserting_after(source):
+            stored = graph.call_function(torch.ops.dualkv.materialize.default, (source,))
+        stored.meta.update(source.meta)
+        source.replace_all_uses_with(stored, delete_user_cb=lambda user: user is not stored)
+        routed += 1
+    counters["position_tables_materialized"] += routed
+    return routed
