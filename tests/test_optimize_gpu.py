@@ -137,7 +137,10 @@ def test_bf16_response_loss_matches_plain_model(family, attention_backend):
 
 
 def test_one_compile_per_length_bucket_over_20_steps():
+    # from a clean Dynamo cache: the two LM-head kernels compile once each for this vocabulary
+    # and dtype (their chunk length is dynamic), the model once per length bucket
     dk.counters.clear()
+    torch._dynamo.reset()
     from torch._dynamo.utils import counters as dynamo_counters
 
     model = tiny_model("hf_qwen3", vocab=512, dim=128, max_seq_len=4096).cuda().bfloat16()
@@ -162,7 +165,7 @@ def test_one_compile_per_length_bucket_over_20_steps():
                       "dynamo_graphs": graphs}))
     assert 1 < buckets < 20
     assert dk.counters["graphs_compiled"] == buckets
-    assert graphs == buckets
+    assert graphs == buckets + 2
 
 
 def test_flex_kernels_in_generated_code():
