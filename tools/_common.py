@@ -63,7 +63,9 @@ def interleaved_medians(variants: dict, *, rounds: int, warmup_ms: int, rep_ms: 
 
 
 def write_results(out: str | None, meta: dict, rows: list, table: str) -> None:
-    """OUT.json ({"meta", "rows"}) and OUT.md (the table), when --out was given."""
+    """Print the table; write OUT.json ({"meta", "rows"}) and OUT.md (the table) when --out
+    was given."""
+    print(table)
     if not out:
         return
     with open(out + ".json", "w") as f:

@@ -342,9 +342,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         rows.append(row)
-    table = markdown(meta, rows)
-    print(table)
-    write_results(args.out, meta, rows, table)
+    write_results(args.out, meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

@@ -73,9 +73,7 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             del x, weights, dy
-    table = markdown(meta, rows)
-    print(table)
-    write_results(args.out, meta, rows, table)
+    write_results(args.out, meta, rows, markdown(meta, rows))
 
 
 def markdown(meta, rows):

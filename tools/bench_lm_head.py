@@ -80,9 +80,7 @@ def main(argv=None):
                "useful_tflops": {k: flop / (v / 1e3) / 1e12 for k, v in ms.items()}}
         print(json.dumps(row), flush=True)
         rows_out.append(row)
-    table = markdown(meta, rows_out)
-    print(table)
-    write_results(args.out, meta, rows_out, table)
+    write_results(args.out, meta, rows_out, markdown(meta, rows_out))
 
 
 def markdown(meta, rows):

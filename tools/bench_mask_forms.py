@@ -101,9 +101,7 @@ def main(argv=None):
         lines.append(f"| {w['N']} | {w['P']} | {w['R']} | {w['ms']['segments']:.2f} | "
                      f"{w['ms']['intervals']:.2f} | {w['intervals_over_segments']:.3f}x | "
                      f"{w['outputs_equal']} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    write_results(args.out, meta, rows, table)
+    write_results(args.out, meta, rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

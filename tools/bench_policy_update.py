@@ -274,9 +274,7 @@ def main(argv=None):
             for name, v in variants.items():
                 set_checkpointing(model, v.checkpointing)
                 profile_step(name, model, v, tokens, mask, p, adv, opt)
-    table = markdown(meta, rows)
-    print(table)
-    write_results(args.out, meta, rows, table)
+    write_results(args.out, meta, rows, markdown(meta, rows))
 
 
 def _inductor_settings(ap, items: list[str]) -> dict:
