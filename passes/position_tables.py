@@ -26,6 +26,9 @@ __all__ = ["materialize_position_tables", "uuid"]
 
 # tables smaller than this are cheaper to recompute than to store and load
 _MIN_ELEMENTS = 256
+# nor is anything larger than this many elements per token stored (a [T, T] tensor computed from
+# positions would cost memory that recomputing it inline does not)
+_MAX_ELEMENTS_PER_TOKEN = 4096
 
 
 @torch.library.custom_op("dualkv::materialize", mutates_args=())
@@ -100,6 +103,7 @@ def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
     """Route each position-only float tensor that feeds other work (or the tensor it is a view
     of) through dualkv::materialize. Returns how many tensors are now stored."""
     only = _position_only(graph, activations)
+    tokens = example(activations).shape[1]  # tokens [1, T] or a layer's hidden states [1, T, d]
     sources: list[fx.Node] = []
     for node in graph.nodes:
         if (node in only and _float_tensor(node)
@@ -109,8 +113,8 @@ def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
                 sources.append(source)
     routed = 0
     for source in sources:
-        value = example(source)
-        if value.numel() < _MIN_ELEMENTS:
+        numel = example(source).numel()
+        if not _MIN_ELEMENTS <= numel <= _MAX_ELEMENTS_PER_TOKEN * tokens:
             continue
         with graph.inserting_after(source):
             stored = graph.call_function(torch.ops.dualkv.materialize.default, (source,))

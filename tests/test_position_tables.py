@@ -41,8 +41,8 @@ class RopeLike(torch.nn.Module):
     def forward(self, x, positions):
         angles = positions[:, :, None].float() * self.inv_freq
         cos, sin = angles.cos(), angles.sin()
-        y = x * cos.unsqueeze(1) + x * sin.unsqueeze(1)  # x [B, H, T, 32]
-        return y + (angles * self.scale).unsqueeze(1), angles[:, :1]  # small: not stored
+        y = x * cos.unsqueeze(2) + x * sin.unsqueeze(2)  # x [1, T, H, 32], tokens on axis 1
+        return y + (angles * self.scale).unsqueeze(2), angles[:, :1]  # small: not stored
 
 
 def traced(module, activations_first=True):
@@ -52,12 +52,12 @@ def traced(module, activations_first=True):
         captured["gm"], captured["inputs"] = gm, example_inputs
         return gm.forward
 
-    x = torch.randn(1, 2, 16, 32)
+    x = torch.randn(1, 16, 2, 32)
     positions = torch.arange(16)[None]
     torch.compile(module, backend=backend, fullgraph=True)(x, positions)
     gm = captured["gm"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    activations = next(n for n in placeholders if tuple(n.meta["example_value"].shape) == (1, 2, 16, 32))
+    activations = next(n for n in placeholders if tuple(n.meta["example_value"].shape) == (1, 16, 2, 32))
     return gm, activations, captured["inputs"]
 
 
@@ -89,6 +89,24 @@ def test_pass_leaves_tables_below_the_size_threshold(monkeypatch):
     monkeypatch.setattr(pt, "_MIN_ELEMENTS", 16 * 32 + 1)  # cos and sin are [1, 16, 32]
     assert pt.materialize_position_tables(gm.graph, activations) == 0
     assert not any(n.target is torch.ops.dualkv.materialize.default for n in gm.graph.nodes)
+
+
+class QuadraticBias(torch.nn.Module):
+    """A [T, T] tensor computed from positions alone, added to activations."""
+
+    def forward(self, x, positions):
+        p = positions[0].float()
+        return x[..., :16] + (p[:, None] - p[None, :]).abs()[None, :, None, :]
+
+
+def test_quadratic_position_tensors_are_not_stored(monkeypatch):
+    torch._dynamo.reset()
+    gm, activations, _ = traced(QuadraticBias())
+    monkeypatch.setattr(pt, "_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(pt, "_MAX_ELEMENTS_PER_TOKEN", 8)  # [16, 16] has 16 per token
+    assert pt.materialize_position_tables(gm.graph, activations) == 0
+    monkeypatch.setattr(pt, "_MAX_ELEMENTS_PER_TOKEN", 16)
+    assert pt.materialize_position_tables(gm.graph, activations) == 1
 
 
 def test_position_only_excludes_activations_and_trainable_parameters():
