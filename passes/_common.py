@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-__all__ = ["Refusal", "example", "source_line", "pass_uuid"]
+__all__ = ["Refusal", "example", "op_name", "source_line", "pass_uuid"]
 
 
 class Refusal(Exception):
@@ -19,6 +19,14 @@ def example(node):
     if not isinstance(node, fx.Node):
         return node
     return node.meta.get("example_value", node.meta.get("val"))
+
+
+def op_name(node: fx.Node) -> str:
+    """The op a node calls, as a bare name: a method's name ("view"), or a function's
+    ("getitem" for operator.getitem, "flex_attention" for a higher-order op)."""
+    if node.op == "call_method":
+        return node.target
+    return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
 
 
 def source_line(node: fx.Node) -> str:

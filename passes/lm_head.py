@@ -12,7 +12,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, example, pass_uuid, source_line
+from ._common import Refusal, example, op_name, pass_uuid, source_line
 
 __all__ = ["prune_lm_head", "uuid"]
 
@@ -23,19 +23,15 @@ def uuid() -> str:
     return pass_uuid(__file__)
 
 
-def _name(node):
-    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-
-
 def prune_lm_head(graph: fx.Graph, vocab_size: int) -> fx.Node:
     """Replace the graph's logits output by the LM head's input; return that input node."""
     out_node = graph.output_node()
     outputs = out_node.args[0]
     logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
     node = logits
-    while isinstance(node, fx.Node) and _name(node) in _CASTS:
+    while isinstance(node, fx.Node) and op_name(node) in _CASTS:
         node = node.args[0]
-    if not (isinstance(node, fx.Node) and _name(node) == "linear"):
+    if not (isinstance(node, fx.Node) and op_name(node) == "linear"):
         raise Refusal(f"the model output is not produced by a linear LM head "
                       f"(found {getattr(node, 'name', node)})")
     weight = example(node.args[1] if len(node.args) > 1 else node.kwargs["weight"])

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import example, pass_uuid
+from ._common import example, op_name, pass_uuid
 
 __all__ = ["materialize_position_tables", "uuid"]
 
@@ -79,12 +79,6 @@ _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "tra
           "permute", "flatten", "unflatten", "getitem", "narrow", "select"}
 
 
-def _name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
-
-
 def _float_tensor(node) -> bool:
     value = example(node)
     return isinstance(value, Tensor) and value.is_floating_point()
@@ -93,7 +87,7 @@ def _float_tensor(node) -> bool:
 def _stored_source(node: fx.Node, only: set[fx.Node]) -> fx.Node:
     """The node that computes what `node` views: up through views and indexing of
     position-only float tensors, so that one stored table serves every view of it."""
-    while (_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node)
+    while (op_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node)
            and node.args[0] in only and _float_tensor(node.args[0])):
         node = node.args[0]
     return node

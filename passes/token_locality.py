@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, example, pass_uuid, source_line
+from ._common import Refusal, example, op_name, pass_uuid, source_line
 
 __all__ = ["prove_token_locality", "uuid"]
 
@@ -53,13 +53,6 @@ def uuid() -> str:
     return pass_uuid(__file__)
 
 
-def _name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    target = node.target
-    return getattr(target, "__name__", str(target)).split(".")[-1]
-
-
 class _Proof:
     def __init__(self, graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout: set):
         self.axis: dict[fx.Node, object] = {tokens: 1, positions: 1}
@@ -72,7 +65,7 @@ class _Proof:
         return self.axis.get(x) if isinstance(x, fx.Node) else None
 
     def refuse(self, node, why):
-        raise Refusal(f"cannot prove `{_name(node)}` at {source_line(node)} token-local: {why}")
+        raise Refusal(f"cannot prove `{op_name(node)}` at {source_line(node)} token-local: {why}")
 
     def dim_arg(self, node, pos, key, ndim, default=None):
         d = node.kwargs.get(key, node.args[pos] if len(node.args) > pos else default)
@@ -119,7 +112,7 @@ class _Proof:
                           f"{tuple(out.shape)})")
 
     def permute(self, node, ax, inp):
-        name = _name(node)
+        name = op_name(node)
         if name in ("transpose", "swapaxes", "swapdims"):
             d0, d1 = (d % inp.dim() for d in node.args[1:3])
             return d1 if ax == d0 else d0 if ax == d1 else ax
@@ -177,7 +170,7 @@ class _Proof:
 
     def cat(self, node, out):
         tensors = node.args[0]
-        name = _name(node)
+        name = op_name(node)
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
         axes = {self.tok(t) for t in tensors}
         if None in axes and len(axes) > 1:
@@ -194,7 +187,7 @@ class _Proof:
         return ax if ax < dim else ax + 1
 
     def split(self, node, ax, inp, out):
-        name = _name(node)
+        name = op_name(node)
         pos = {"chunk": 2, "split": 2, "tensor_split": 2, "unbind": 1}[name]
         dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else 0) % inp.dim()
         if dim == ax:
@@ -239,7 +232,7 @@ class _Proof:
         if not carried:
             return None
         self.checked += 1
-        name, out = _name(node), example(node)
+        name, out = op_name(node), example(node)
         first = node.args[0] if node.args else None
         inp = example(first) if isinstance(first, fx.Node) else None
         ax = self.tok(first)
