@@ -46,5 +46,5 @@ def test_unknown_json_fields_are_named():
 def test_each_pass_has_a_source_derived_uuid():
     ids = pass_uuids()
     assert set(ids) == {"checkpoint_inline", "attention_rewrite", "token_locality", "lm_head",
-                        "attention_saving"}
-    assert len(set(ids.values())) == 5 and all(len(v) == 64 for v in ids.values())
+                        "position_tables", "attention_saving"}
+    assert len(set(ids.values())) == 6 and all(len(v) == 64 for v in ids.values())
