@@ -2,7 +2,9 @@
 
 CUDA: flex_attention, compiled once per process, with the BlockMask of the PackedBatch (built
 once, cached on it), lowered to FLASH (FA4) or Triton (attention_backend.py) with the
-architecture's validated kernel options. Dynamo's recompile limit
+architecture's validated kernel options. FLASH on a layout made of whole 128-token blocks per
+segment calls FA4 directly in its causal form instead (flash_causal.py: the same attention,
+with FA4's longest-first tile order). Dynamo's recompile limit
 is raised deliberately for this call and made fatal: past it Dynamo would silently run eager
 flex, which materialises [T, T] scores.
 CPU (and any non-CUDA device): the SDPA reference, which supports backward; the public
@@ -16,12 +18,15 @@ import logging
 import torch
 from torch import Tensor
 
+from .attention_backend import resolve_attention_backend
 from .block_mask import shared_prefix_block_mask
+from .flash_causal import block_aligned, flash_causal_attention
 from .kernel_options import kernel_options_for
 from .packing import PackedBatch
 from .recompiles import bounded_recompiles
 from .reference import reference_shared_prefix_attention
 from .regions import two_region_attention
+from .stats import counters
 
 __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
 
@@ -79,6 +84,34 @@ def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False,
                               kernel_options=options)
 
 
+def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
+    """Whether FLASH runs as FA4's causal block-sparse call (flash_causal.py) rather than flex:
+    eager calls, FLASH chosen, no kernel_options (they configure flex), a block-aligned layout.
+    Each reason for keeping flex FLASH is logged once."""
+    if attention_backend not in ("auto", "flash") or torch.compiler.is_compiling():
+        return False
+    if resolve_attention_backend(attention_backend, q.device, q.shape[-1], q.dtype) != "FLASH":
+        return False
+    if kernel_options:
+        _log_once("FLASH runs through flex: kernel_options were given, and they configure flex")
+        return False
+    if not block_aligned(packed):
+        _log_once("FLASH runs through flex (mask_mod form) for layouts whose 128-token blocks "
+                  "hold two segments; its causal form needs prompts and responses in whole "
+                  "blocks")
+        return False
+    return True
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
 def shared_prefix_attention(
     q: Tensor,
     k: Tensor,
@@ -111,6 +144,9 @@ def shared_prefix_attention(
                                         q.shape[-1] ** -0.5 if scale is None else scale)[0]
         return two_region_attention(q, k, v, packed, scale=scale)
     if q.device.type == "cuda":
+        if _causal_form(q, k, packed, kernel_options, attention_backend):
+            counters["flash_causal_calls"] += 1
+            return flash_causal_attention(q, k, v, packed, scale)
         return _flex_attention(q, k, v, packed, scale, kernel_options,
                                attention_backend=attention_backend)
     if attention_backend not in ("auto", "triton"):

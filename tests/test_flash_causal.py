@@ -1,0 +1,60 @@
+"""FLASH's causal form (flash_causal.py) rests on one claim: on a layout whose every 128-token
+block lies in one segment, "causal AND the BlockMask's listed blocks" is the shared-prefix
+mask. Checked here on CPU against the dense mask, together with the cases where it fails (and
+the form must not be used). The kernel itself runs on GPU only (tests/test_attention_gpu.py)."""
+
+import pytest
+import torch
+
+from dualkv_compile import pack
+from dualkv_compile.block_mask import BLOCK_SIZE, block_classes, dense_mask
+from dualkv_compile.flash_causal import block_aligned, flash_causal_attention
+from dualkv_compile.testing import make_batch, random_qkv
+
+
+def causal_and_listed_blocks(pb):
+    listed = (block_classes(pb) > 0).repeat_interleave(BLOCK_SIZE, 0)
+    listed = listed.repeat_interleave(BLOCK_SIZE, 1)
+    t = pb.seq_len
+    return torch.ones(t, t, dtype=torch.bool).tril() & listed
+
+
+def packed(prompts, responses, pad_to=128, shuffle=False):
+    tokens, mask, p = make_batch(prompts, responses, shuffle=shuffle,
+                                 generator=torch.Generator().manual_seed(0))
+    return pack(tokens, prompt_len=p, padding_mask=mask, pad_to=pad_to)
+
+
+ALIGNED = [([256], [[128] * 3]), ([128, 384], [[256, 128], [128] * 4]),
+           ([512], [[128, 384, 256]])]
+RAGGED = [([200], [[100] * 3]), ([256], [[64] * 4]), ([256], [[128, 100]]),
+          ([128, 100], [[128], [128]])]
+
+
+@pytest.mark.parametrize("prompts,responses", ALIGNED)
+def test_causal_and_listed_blocks_is_the_mask_on_aligned_layouts(prompts, responses):
+    pb = packed(prompts, responses, shuffle=True)
+    assert block_aligned(pb)
+    assert torch.equal(causal_and_listed_blocks(pb), dense_mask(pb))
+
+
+@pytest.mark.parametrize("prompts,responses", RAGGED)
+def test_ragged_layouts_are_not_aligned_and_the_claim_fails_there(prompts, responses):
+    pb = packed(prompts, responses)
+    assert not block_aligned(pb)
+    # causal AND listed blocks lets some query see a key of another segment
+    assert not torch.equal(causal_and_listed_blocks(pb), dense_mask(pb))
+
+
+def test_whole_padding_blocks_keep_a_layout_aligned():
+    pb = packed([256], [[128] * 2], pad_to=1024)  # 512 valid tokens, 512 of padding
+    assert pb.seq_len == 1024 and block_aligned(pb)
+    assert torch.equal(causal_and_listed_blocks(pb), dense_mask(pb))
+
+
+def test_the_causal_form_refuses_a_ragged_layout_before_any_kernel():
+    pb = packed([200], [[100] * 3])
+    q, k, v, _ = random_qkv(pb, 4, 2, 64, dtype=torch.float32, device="cpu",
+                            generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="blocks .*hold two"):
+        flash_causal_attention(q, k, v, pb)
