@@ -155,8 +155,9 @@ def teardown_module():
     ([1000], [[512] * 8], False)])
 def test_flash_causal_form_equals_flex_flash(prompts, responses, causal_form):
     """FLASH runs FA4's causal form on block-aligned layouts (flash_causal.py) and flex on
-    ragged ones; on aligned ones it equals flex FLASH: the output, dk and dv bit for bit, dq up
-    to FA4's atomic accumulation order."""
+    ragged ones; on aligned ones it equals flex FLASH: the output bit for bit, the gradients up
+    to FA4's atomic accumulation order (dq always; dk and dv under GQA: flex against itself
+    differs there too)."""
     from dualkv_compile.attention import _flex_attention
     from dualkv_compile.attention_backend import flash_status
     from dualkv_compile.stats import counters
@@ -176,9 +177,9 @@ def test_flash_causal_form_equals_flex_flash(prompts, responses, causal_form):
         lambda *a, **kw: _flex_attention(*a, None, None, attention_backend="flash"),
         q, k, v, pb, cot)
     diffs = {n: (a.float() - b.float()).abs().max().item() for n, a, b in zip(NAMES, ours, flex)}
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, ours, flex)}
     print(json.dumps({"layout": [prompts, responses], "causal_form": causal_form,
-                      "max_abs_diff_vs_flex": diffs}))
-    for name in ("out", "dk", "dv"):
-        assert diffs[name] == 0, diffs
-    scale = flex[1].float().abs().max().item()
-    assert diffs["dq"] <= 1e-2 * scale, diffs
+                      "max_abs_diff_vs_flex": diffs, "rel_err_vs_flex": errs}))
+    assert diffs["out"] == 0, diffs
+    for name in ("dq", "dk", "dv"):  # a bf16 ulp is 2^-8; a wrong mask errs by O(0.1) or more
+        assert errs[name] <= 4e-3, errs
