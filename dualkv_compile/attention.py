@@ -127,7 +127,8 @@ def shared_prefix_attention(
     q [1, Hq, T, D], k/v [1, Hkv, T, D] (Hkv divides Hq) -> [1, Hq, T, D]. A query sees earlier
     keys of its own segment and, for response tokens, its group's whole prompt. `scale`
     defaults to 1/sqrt(D). `attention_backend` ("auto", "flash", "triton") picks the CUDA flex
-    kernel (see attention_backend.py); `kernel_options` override the architecture's table entry
+    kernel (see attention_backend.py); FLASH on a block-aligned layout runs FA4's causal form
+    (flash_causal.py); `kernel_options` override the architecture's table entry
     (CUDA only; validated, unknown keys raise). "regions" runs dense kernels over the two KV
     regions instead of flex, on CUDA (cuDNN, bf16/fp16) and on CPU (regions.py).
     """
