@@ -94,6 +94,13 @@ def test_mask_counts_match_the_dense_mask(tmp_path, capsys):
     partial = int((tiles.any(-1).any(-1) & ~tiles.all(-1).all(-1)).sum())
     assert f"full blocks: {full}, partial blocks: {partial}, empty blocks: {nb * nb - full - partial}" in out
     assert _png_size(png) == (nb * 4, nb * 4)
+    assert "some blocks hold two segments: FLASH runs flex's mask_mod form" in out
+
+
+def test_mask_names_flash_causal_form_on_block_aligned_layouts(tmp_path, capsys):
+    args = ["--groups", "1", "--group-size", "4", "--prompt-len", "256", "--response-len", "128"]
+    assert main(["mask", *args, "--out", str(tmp_path / "m.png")]) == 0
+    assert "every block lies in one segment: FLASH runs FA4's causal form" in capsys.readouterr().out
 
 
 def test_plan_prints_the_estimate(capsys):

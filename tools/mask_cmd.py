@@ -10,6 +10,7 @@ import torch
 
 import dualkv_compile as dk
 from dualkv_compile.block_mask import BLOCK_SIZE, block_classes
+from dualkv_compile.flash_causal import block_aligned
 from dualkv_compile.testing import make_batch
 
 __all__ = ["run_mask", "write_png"]
@@ -57,6 +58,10 @@ def run_mask(args, out=print) -> int:
         f"ideal attention speed-up {packed.pair_reduction:.2f}x")
     out(f"full blocks: {full}, partial blocks: {partial}, empty blocks: {total - full - partial}")
     out(f"block sparsity: {(total - full - partial) / total:.1%} of blocks skipped")
+    if block_aligned(packed):
+        out("every block lies in one segment: FLASH runs FA4's causal form (longest-first)")
+    else:
+        out("some blocks hold two segments: FLASH runs flex's mask_mod form")
     out(f"wrote {path} ({nb * scale}x{nb * scale} px: dark = full, orange = partial, "
         f"white = skipped)")
     return 0
