@@ -29,6 +29,8 @@ def block_aligned(packed: PackedBatch) -> bool:
     """True when every BLOCK_SIZE-token block of the layout lies in one segment (prompt,
     response or padding): the condition for FLASH's causal form. Cached on the batch."""
     def build():
+        if packed.seq_len % BLOCK_SIZE:  # no whole blocks (and no BlockMask either)
+            return False
         seg = packed.segment_ids[0].view(-1, BLOCK_SIZE)
         return bool((seg == seg[:, :1]).all())
 

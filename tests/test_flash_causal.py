@@ -52,6 +52,13 @@ def test_whole_padding_blocks_keep_a_layout_aligned():
     assert torch.equal(causal_and_listed_blocks(pb), dense_mask(pb))
 
 
+def test_a_length_of_partial_blocks_is_not_aligned():
+    pb = packed([256], [[128] * 2], pad_to=64)  # 512 tokens: whole blocks, aligned
+    assert block_aligned(pb)
+    pb = packed([256], [[100] * 2], pad_to=8)  # 456 tokens: the last block is cut
+    assert pb.seq_len % BLOCK_SIZE and not block_aligned(pb)
+
+
 def test_the_causal_form_refuses_a_ragged_layout_before_any_kernel():
     pb = packed([200], [[100] * 3])
     q, k, v, _ = random_qkv(pb, 4, 2, 64, dtype=torch.float32, device="cpu",
