@@ -86,21 +86,29 @@ def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False,
 
 def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
     """Whether FLASH runs as FA4's causal block-sparse call (flash_causal.py) rather than flex:
-    eager calls, FLASH chosen, no kernel_options (they configure flex), a block-aligned layout.
-    Each reason for keeping flex FLASH is logged once."""
+    an eager call, FLASH chosen, on sm_90 (where it was measured and tested), no
+    kernel_options (they configure flex), deterministic algorithms off (FA4's deterministic
+    block-sparse backward needs a dq write order that only flex builds), and a block-aligned
+    layout. Each reason for skipping the causal form is logged once; traced calls (inside
+    torch.compile, as in optimize()) always lower flex."""
     if attention_backend not in ("auto", "flash") or torch.compiler.is_compiling():
         return False
     if resolve_attention_backend(attention_backend, q.device, q.shape[-1], q.dtype) != "FLASH":
         return False
-    if kernel_options:
-        _log_once("FLASH runs through flex: kernel_options were given, and they configure flex")
-        return False
-    if not block_aligned(packed):
-        _log_once("FLASH runs through flex (mask_mod form) for layouts whose 128-token blocks "
-                  "hold two segments; its causal form needs prompts and responses in whole "
-                  "blocks")
-        return False
-    return True
+    reason = None
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        reason = "the GPU is not sm_90, where the causal form was measured and tested"
+    elif kernel_options:
+        reason = "kernel_options were given, and they configure flex"
+    elif torch.are_deterministic_algorithms_enabled():
+        reason = ("deterministic algorithms are on, and FA4's deterministic block-sparse "
+                  "backward needs the dq write order that flex builds")
+    elif not block_aligned(packed):
+        reason = ("some 128-token blocks of the layout hold two segments (it needs prompts and "
+                  "responses in whole blocks)")
+    if reason:
+        _log_once(f"FLASH's causal form is skipped and flex lowers the call: {reason}")
+    return reason is None
 
 
 _logged: set[str] = set()

@@ -8,10 +8,11 @@ in plain grid order (`SingleTileScheduler`). A causal call gets the longest-firs
 (docs/performance.md). When every block lies in one segment (prompts and responses multiples
 of 128 tokens), the shared-prefix mask is exactly "causal AND the listed blocks": off the
 diagonal a block pair is all-or-nothing, on it the pair is one segment, causal. The outputs
-then equal flex FLASH's bit for bit (dq differs in its atomic accumulation order).
+then equal flex FLASH's bit for bit; the gradients differ in FA4's atomic accumulation order
+(dq, and dk/dv under GQA), as flex FLASH differs from itself.
 
-Used by `shared_prefix_attention` (eager calls) with FLASH and no kernel_options; ragged
-layouts and traced calls keep flex FLASH.
+Used by `shared_prefix_attention` for eager FLASH calls on sm_90 (attention._causal_form says
+when); ragged layouts and traced calls (optimize()'s graphs) keep flex FLASH.
 """
 
 from __future__ import annotations
@@ -53,10 +54,8 @@ class _FlashCausal(torch.autograd.Function):
         from flash_attn.cute.interface import _flash_attn_bwd
 
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_attn_bwd(
-            q, k, v, out, dout, lse, softmax_scale=ctx.scale, causal=True,
-            block_sparse_tensors=ctx.bwd_blocks,
-            deterministic=torch.are_deterministic_algorithms_enabled())[:3]
+        dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=ctx.scale,
+                                     causal=True, block_sparse_tensors=ctx.bwd_blocks)[:3]
         return dq, dk, dv, None, None, None
 
 

@@ -100,7 +100,7 @@ def test_mask_counts_match_the_dense_mask(tmp_path, capsys):
 def test_mask_names_flash_causal_form_on_block_aligned_layouts(tmp_path, capsys):
     args = ["--groups", "1", "--group-size", "4", "--prompt-len", "256", "--response-len", "128"]
     assert main(["mask", *args, "--out", str(tmp_path / "m.png")]) == 0
-    assert "every block lies in one segment: FLASH runs FA4's causal form" in capsys.readouterr().out
+    assert "every block lies in one segment: eager FLASH calls of the op run FA4's causal" in capsys.readouterr().out
 
 
 def test_plan_prints_the_estimate(capsys):

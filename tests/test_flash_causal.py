@@ -65,3 +65,37 @@ def test_the_causal_form_refuses_a_ragged_layout_before_any_kernel():
                             generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="blocks .*hold two"):
         flash_causal_attention(q, k, v, pb)
+
+
+@pytest.fixture
+def flash_on_sm(monkeypatch):
+    """_causal_form's GPU queries answered as on an sm_`major` machine where FLASH resolves."""
+    import dualkv_compile.attention as attention
+
+    def on(major):
+        monkeypatch.setattr(attention, "resolve_attention_backend",
+                            lambda requested, *a: "FLASH" if requested != "triton" else "TRITON")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+        return attention._causal_form
+    return on
+
+
+def test_the_causal_form_is_taken_only_where_it_was_measured_and_is_exact(flash_on_sm,
+                                                                          monkeypatch):
+    aligned, ragged = packed([256], [[128] * 3]), packed([200], [[100] * 3])
+    q = k = torch.zeros(1, 4, aligned.seq_len, 64)
+    causal_form = flash_on_sm(9)
+    assert causal_form(q, k, aligned, None, "flash")
+    assert causal_form(q, k, aligned, None, "auto")
+    assert not causal_form(q, k, aligned, None, "triton")
+    assert not causal_form(q, k, ragged, None, "flash")
+    assert not causal_form(q, k, aligned, {"BLOCK_M": 64}, "flash")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not causal_form(q, k, aligned, None, "flash")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not causal_form(q, k, aligned, None, "flash")
+    monkeypatch.undo()
+    assert not flash_on_sm(10)(q, k, aligned, None, "flash")  # sm_100: not measured there

@@ -59,7 +59,8 @@ def run_mask(args, out=print) -> int:
     out(f"full blocks: {full}, partial blocks: {partial}, empty blocks: {total - full - partial}")
     out(f"block sparsity: {(total - full - partial) / total:.1%} of blocks skipped")
     if block_aligned(packed):
-        out("every block lies in one segment: FLASH runs FA4's causal form (longest-first)")
+        out("every block lies in one segment: eager FLASH calls of the op run FA4's causal "
+            "form (longest-first); optimize()'s graphs run flex")
     else:
         out("some blocks hold two segments: FLASH runs flex's mask_mod form")
     out(f"wrote {path} ({nb * scale}x{nb * scale} px: dark = full, orange = partial, "
