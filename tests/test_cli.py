@@ -205,3 +205,14 @@ def test_benchmarks_refuse_to_run_without_a_gpu(capsys):
             module.main(["--shapes", "2,128,128"])
         assert exit_info.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_step_profile_idle_gaps_count_overlaps_once_and_sort_longest_first():
+    from dualkv_compile.tools.bench_policy_update import idle_gaps
+
+    kernels = [(10.0, 50.0, "a"), (40.0, 60.0, "b"), (100.0, 130.0, "c"), (135.0, 140.0, "d"),
+               (0.0, 5.0, "before the window")]
+    busy, gaps = idle_gaps(kernels, start=2.0, end=200.0, min_us=10.0)
+    assert busy == 3.0 + 50.0 + 30.0 + 5.0  # the clipped first kernel, a..b merged, c, d
+    # 5 -> 10 (5 us) and 130 -> 135 are below min_us; 60 -> 100 and 140 -> 200 are not
+    assert gaps == [(140.0, 60.0, "d", None), (60.0, 40.0, "b", "c")]

@@ -210,6 +210,9 @@ def main(argv=None):
                     help="fused: response_loss (the LM head's backward in its forward); "
                          "separate: response_logprobs, then the loss; both: time the optimized "
                          "model both ways (the plain model runs the first)")
+    ap.add_argument("--logprob-chunk-size", type=int, nargs="+", default=[4096], metavar="C",
+                    help="the optimized model's LM-head chunk (DualKVConfig.logprob_chunk_size); "
+                         "several: one optimized variant each, timed interleaved")
     ap.add_argument("--no-plain", action="store_true",
                     help="time only the optimized model (MFU runs; no speed-up)")
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
@@ -235,6 +238,7 @@ def main(argv=None):
             "dualkv_checkpointing": args.dualkv_checkpointing, "optimizer": not args.no_optimizer,
             "attention_backend": args.attention_backend,
             "plain_micro_batch": args.plain_micro_batch, "loss": args.loss,
+            "logprob_chunk_size": args.logprob_chunk_size,
             "inductor": inductor}
     rows = []
     for n, p, r in args.shapes:
@@ -246,15 +250,18 @@ def main(argv=None):
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
         row = {"N": n, "P": p, "R": r, "rho": packed.rho, "T": packed.seq_len,
                "useful_tflop": useful_flops(model, n, p, r) / 1e12}
-        dualkv = dk.optimize(model, dk.DualKVConfig(activation_memory_budget=args.memory_budget,
-                                                    attention_backend=args.attention_backend))
         losses = ["fused", "separate"] if args.loss == "both" else [args.loss]
         variants = {} if args.no_plain else {"plain": Variant(
             args.plain_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(enabled=False)),
             args.plain_micro_batch, losses[0])}
-        for loss in losses:
-            name = "dualkv" if loss == losses[0] else f"dualkv_{loss}_loss"
-            variants[name] = Variant(args.dualkv_checkpointing == "on", dualkv, None, loss)
+        for chunk in args.logprob_chunk_size:
+            dualkv = dk.optimize(model, dk.DualKVConfig(
+                activation_memory_budget=args.memory_budget,
+                attention_backend=args.attention_backend, logprob_chunk_size=chunk))
+            for loss in losses:
+                name = "dualkv" + ("" if loss == losses[0] else f"_{loss}_loss") + \
+                    ("" if chunk == args.logprob_chunk_size[0] else f"_chunk{chunk}")
+                variants[name] = Variant(args.dualkv_checkpointing == "on", dualkv, None, loss)
         from torch._inductor import config as inductor_config
 
         with inductor_config.patch(inductor):
@@ -300,14 +307,55 @@ def _inductor_settings(ap, items: list[str]) -> dict:
     return out
 
 
+def idle_gaps(kernels, start: float, end: float, min_us: float = 20.0) -> tuple[float, list]:
+    """GPU kernels [(begin_us, end_us, name)] within a step's window [start, end] -> (busy us,
+    the idle gaps of at least `min_us`, longest first, each (begin_us, length_us, kernel before,
+    kernel after), None at the window's edges). Overlapping kernels count once."""
+    busy, gaps, last_end, last_name = 0.0, [], start, None
+    for b, e, name in sorted(kernels):
+        b, e = max(b, start), min(e, end)
+        if e <= last_end:
+            continue
+        if b - last_end >= min_us:
+            gaps.append((last_end, b - last_end, last_name, name))
+        busy += e - max(b, last_end)
+        last_end, last_name = e, name
+    if end - last_end >= min_us:
+        gaps.append((last_end, end - last_end, last_name, None))
+    return busy, sorted(gaps, key=lambda g: -g[1])
+
+
+def _print_idle(events, top: int = 12) -> None:
+    """Where the GPU waited during the profiled step: its idle time, the longest gaps, and the
+    innermost host op running at each gap's start (a sync or slow host code shows there)."""
+    from torch.autograd import DeviceType
+
+    step = next(e for e in events if e.name == "dualkv.step" and e.device_type == DeviceType.CPU)
+    start, end = step.time_range.start, step.time_range.end
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
+               if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU and e is not step]
+    busy, gaps = idle_gaps(kernels, start, end)
+    idle = end - start - busy
+    print(f"--- GPU idle: {idle / 1e3:.2f} ms of the step's {(end - start) / 1e3:.2f} ms "
+          f"(gaps >= 20 us: {sum(g[1] for g in gaps) / 1e3:.2f} ms in {len(gaps)}) ---")
+    for b, length, before, after in gaps[:top]:
+        inner = [e for e in host if e.time_range.start <= b < e.time_range.end]
+        op = min(inner, key=lambda e: e.time_range.end - e.time_range.start).name if inner else "-"
+        print(f"{length / 1e3:8.2f} ms at +{(b - start) / 1e3:7.1f} ms  host: {op[:60]:60s} "
+              f"after {str(before)[:50]} / before {str(after)[:50]}")
+
+
 def profile_step(name, model, v: Variant, tokens, mask, p, adv, opt):
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows, loss=v.loss)
+        with record_function("dualkv.step"):
+            one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows, loss=v.loss)
     print(f"--- profile: {name} ---")
     events = prof.key_averages()
-    print(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
+    print(events.table(sort_by="self_cuda_time_total", row_limit=70, max_name_column_width=90))
+    _print_idle(prof.events())
     gemms = [e for e in prof.key_averages(group_by_input_shape=True)
              if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")]
     print(f"--- matmuls by input shape: {name} ---")
