@@ -93,6 +93,7 @@ def test_bf16_model_matches_plain_model(family, checkpointing, region, attention
     assert dk.counters["attention_rewritten"] == graphs and dk.counters["dense_fallback"] == 0
     assert dk.counters["checkpoints_inlined"] == (graphs if checkpointing else 0)
     assert dk.counters["attention_saved"] == graphs  # Inductor ran the joint-graph pass
+    assert dk.counters["gqa_repeats_folded"] == graphs  # 4 query heads on 2 kv heads, unrepeated
     for key in ("logprobs", "grads"):
         assert errs[key]["ours"] <= 2 * errs[key]["dense_bf16"], (key, errs[key])
 
