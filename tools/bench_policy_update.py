@@ -136,6 +136,25 @@ def one_step(model, wrapper, tokens, mask, p, adv, opt, micro_rows=None,
     return sec, torch.cuda.max_memory_allocated() / 2**30
 
 
+class _CompiledStep:
+    """An optimizer whose step() runs under torch.compile (the first call compiles)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self._step = torch.compile(opt.step)
+
+    def step(self):
+        self._step()
+
+
+def make_adamw(params, kind: str):
+    """AdamW at lr 1e-6: "fused" (PyTorch's fused CUDA kernel) or "compiled" (foreach step
+    compiled by Inductor)."""
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=1e-6, fused=True)
+    return _CompiledStep(torch.optim.AdamW(params, lr=1e-6, foreach=True))
+
+
 class Variant(NamedTuple):
     checkpointing: bool
     wrapper: object
@@ -202,6 +221,9 @@ def main(argv=None):
                     help="run the plain model's forward + backward in micro-batches of ROWS "
                          "rows with gradient accumulation (same gradient), for shapes whose "
                          "whole replicated batch does not fit; default: all rows at once")
+    ap.add_argument("--adamw", choices=["fused", "compiled"], default="fused",
+                    help="fused: torch.optim.AdamW(fused=True); compiled: the foreach AdamW "
+                         "step under torch.compile (Inductor's fused kernels)")
     ap.add_argument("--no-optimizer", action="store_true",
                     help="time response logprobs forward + backward only, no AdamW step")
     ap.add_argument("--attention-backend", choices=["auto", "flash", "triton", "regions"], default="auto",
@@ -229,13 +251,14 @@ def main(argv=None):
     import transformers
 
     model = build_model(args.layers, args.vocab)
-    opt = None if args.no_optimizer else torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    opt = None if args.no_optimizer else make_adamw(model.parameters(), args.adamw)
     meta = {**environment(), "transformers": transformers.__version__, "layers": args.layers,
             "vocab": args.vocab, "dtype": "bfloat16", "steps": args.steps,
             "warmup": args.warmup, "memory_budget": args.memory_budget,
             "params": sum(q.numel() for q in model.parameters()),
             "peak_tflops": args.peak_tflops, "plain_checkpointing": args.plain_checkpointing,
             "dualkv_checkpointing": args.dualkv_checkpointing, "optimizer": not args.no_optimizer,
+            "adamw": args.adamw,
             "attention_backend": args.attention_backend,
             "plain_micro_batch": args.plain_micro_batch, "loss": args.loss,
             "logprob_chunk_size": args.logprob_chunk_size,
@@ -379,7 +402,8 @@ def _f(x, spec):
 
 
 def markdown(meta, rows):
-    what = "response logprobs fwd + bwd + AdamW" if meta.get("optimizer", True) else \
+    what = f"response logprobs fwd + bwd + AdamW ({meta.get('adamw', 'fused')})" \
+        if meta.get("optimizer", True) else \
         "response logprobs fwd + bwd, no optimizer step"
     what += {"fused": ", the loss fused into the LM head",
              "separate": ", the loss after the logprobs",
