@@ -131,6 +131,12 @@ def _inserts_head_axis(node: fx.Node, x: Tensor) -> bool:
     return False
 
 
+def _first_arg(node) -> fx.Node | None:
+    """The tensor an op reads first, given positionally (Dynamo keeps keyword calls as written:
+    those are left alone)."""
+    return node.args[0] if isinstance(node, fx.Node) and node.args else None
+
+
 def _unrepeated(node) -> fx.Node | None:
     """If `node` is a key or value repeated for grouped-query attention, the way transformers'
     repeat_kv and torchtune write it (x[:, :, None].expand(B, Hkv, r, T, D).reshape(B, Hkv * r,
@@ -138,13 +144,13 @@ def _unrepeated(node) -> fx.Node | None:
     each; else None."""
     if not isinstance(node, fx.Node) or op_name(node) not in ("reshape", "view", "flatten"):
         return None
-    expanded = node.args[0]
+    expanded = _first_arg(node)
     if not isinstance(expanded, fx.Node) or op_name(expanded) != "expand":
         return None
-    inserted = expanded.args[0]
-    if not isinstance(inserted, fx.Node) or not inserted.args:
+    inserted = _first_arg(expanded)
+    source = _first_arg(inserted)
+    if not isinstance(source, fx.Node):
         return None
-    source = inserted.args[0]
     x, e, out = example(source), example(expanded), example(node)
     if not all(isinstance(t, Tensor) for t in (x, e, out)) or x.dim() != 4 or e.dim() != 5:
         return None
@@ -157,13 +163,35 @@ def _unrepeated(node) -> fx.Node | None:
     return source
 
 
-def _fold_gqa_repeat(args: dict) -> list[fx.Node]:
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift}
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Conservatively: `node` may write into one of its inputs (x.mul_(), x += y, torch.relu_,
+    F.relu(x, inplace=True), ...)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    name = op_name(node)
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _fold_gqa_repeat(args: dict, sdpa: fx.Node) -> list[fx.Node]:
     """Feed the attention the un-repeated key and value when both were repeated alike: the
     kernels index a query head's key/value head themselves (grouped-query attention), so the
     [T, Hq, D] copies are not written, nor their gradients summed back in the backward.
-    Returns the repeated nodes no longer fed (for _erase_unused)."""
+    Not when any op between the repeats and the attention may write in place: the copies hold
+    the values from before it. Returns the repeated nodes no longer fed (for _erase_unused)."""
     k, v = _unrepeated(args["key"]), _unrepeated(args["value"])
     if k is None or v is None or example(k).shape[1] != example(v).shape[1]:
+        return []
+    order = {n: i for i, n in enumerate(sdpa.graph.nodes)}
+    start, end = min(order[k], order[v]), order[sdpa]
+    if any(_mutates(n) for n, i in order.items() if start < i < end):
         return []
     repeated = [args["key"], args["value"]]
     args["key"], args["value"] = k, v
@@ -239,7 +267,7 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids) -
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
-        repeated = _fold_gqa_repeat(args)
+        repeated = _fold_gqa_repeat(args, node)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
         if q.device.type == "cuda" and q.dtype not in CUDNN_DTYPES:
             raise Refusal(f"attention at {source_line(node)} is {q.dtype}; "
@@ -272,7 +300,7 @@ def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_back
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
-        repeated = _fold_gqa_repeat(args)
+        repeated = _fold_gqa_repeat(args, node)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
         scale = _scale(args, q)
         options = kernel_options_for(q.device, kernel_options, head_dim=q.shape[-1],

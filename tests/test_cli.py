@@ -216,6 +216,10 @@ def test_step_profile_idle_gaps_count_overlaps_once_and_sort_longest_first():
     assert busy == 3.0 + 50.0 + 30.0 + 5.0  # the clipped first kernel, a..b merged, c, d
     # 5 -> 10 (5 us) and 130 -> 135 are below min_us; 60 -> 100 and 140 -> 200 are not
     assert gaps == [(140.0, 60.0, "d", None), (60.0, 40.0, "b", "c")]
+    # a kernel after the window counts for nothing
+    busy, gaps = idle_gaps([(10.0, 20.0, "a"), (250.0, 260.0, "z")], start=0.0, end=200.0,
+                           min_us=5.0)
+    assert busy == 10.0 and gaps == [(20.0, 180.0, "a", None), (0.0, 10.0, None, "a")]
 
 
 def test_step_benchmark_compiled_adamw_steps_like_eager_adamw():
@@ -225,7 +229,10 @@ def test_step_benchmark_compiled_adamw_steps_like_eager_adamw():
     a = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64)) for _ in range(2)]
     b = [torch.nn.Parameter(x.detach().clone()) for x in a]
     start = [x.detach().clone() for x in a]
+    from torch._dynamo.utils import counters
+
     eager, compiled = torch.optim.AdamW(a, lr=1e-6), make_adamw(b, "compiled")
+    graphs = counters["stats"]["unique_graphs"]
     for step in range(3):
         for x, y in zip(a, b):
             x.grad = torch.randn_like(x)
@@ -238,3 +245,4 @@ def test_step_benchmark_compiled_adamw_steps_like_eager_adamw():
         # the compiled step keeps Adam's step counts as float32 tensors (bias corrections
         # rounded there); eager AdamW uses Python floats: the updates agree to ~1e-5
         torch.testing.assert_close(y.detach() - x0, moved, rtol=1e-4, atol=0)
+    assert counters["stats"]["unique_graphs"] > graphs  # the step did run under Dynamo

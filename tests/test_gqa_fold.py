@@ -10,14 +10,15 @@ import pytest
 import torch
 
 import dualkv_compile as dk
-from dualkv_compile.passes.attention_rewrite import _unrepeated
+import torch.nn.functional as F
+
+from dualkv_compile.passes.attention_rewrite import _SDPA, _fold_gqa_repeat, _sdpa_arguments, _unrepeated
 from dualkv_compile.testing import make_batch, same_dtype_numerics, tiny_model
 
 B, H, T, D, R = 1, 2, 16, 8, 3
 
 
-def _dynamo_output_node(fn, *inputs):
-    """The node that produces `fn`'s result in the graph Dynamo captures."""
+def _dynamo_graph(fn, *inputs):
     graphs = []
 
     def backend(gm, example_inputs):
@@ -25,7 +26,12 @@ def _dynamo_output_node(fn, *inputs):
         return gm.forward
 
     torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (out,) = graphs[0].graph.output_node().args[0]
+    return graphs[0]
+
+
+def _dynamo_output_node(fn, *inputs):
+    """The node that produces `fn`'s result in the graph Dynamo captures."""
+    (out,) = _dynamo_graph(fn, *inputs).graph.output_node().args[0]
     return out
 
 
@@ -58,6 +64,37 @@ def test_indexing_that_moves_values_does_not_fold():
     perm = torch.arange(T).flip(0)
     assert not _folds_to_input(
         lambda x: x[:, :, None, perm].expand(B, H, R, T, D).reshape(B, H * R, T, D))
+
+
+def test_keyword_calls_are_left_alone():
+    assert not _folds_to_input(
+        lambda x: torch.flatten(input=x.unsqueeze(2).expand(B, H, R, T, D), start_dim=1, end_dim=2))
+    assert not _folds_to_input(
+        lambda x: torch.reshape(input=x[:, :, None].expand(B, H, R, T, D), shape=(B, H * R, T, D)))
+
+
+def _repeat(x):
+    return x[:, :, None].expand(B, H, R, T, D).reshape(B, H * R, T, D)
+
+
+@pytest.mark.parametrize("write_in_place", [False, True])
+def test_no_fold_when_an_op_writes_in_place_before_the_attention(write_in_place):
+    def attend(q, k, v):
+        k = k * 1.0
+        kr, vr = _repeat(k), _repeat(v)
+        if write_in_place:  # the copy kr holds k from before this write; k itself does not
+            k.mul_(2.0)
+        return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+    q, k, v = torch.randn(B, H * R, T, D), torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    gm = _dynamo_graph(attend, q, k, v)
+    sdpa = next(n for n in gm.graph.nodes if n.target in _SDPA)
+    args = _sdpa_arguments(sdpa)
+    repeated = _fold_gqa_repeat(args, sdpa)
+    if write_in_place:  # refused: the attention keeps reading the copies
+        assert repeated == [] and _unrepeated(args["key"]) is not None
+    else:  # folded: the attention reads the repeats' sources
+        assert [_unrepeated(n) for n in repeated] == [args["key"], args["value"]]
 
 
 @pytest.mark.parametrize("family", ["hf_qwen3", "hf_llama", "qwen2_5", "llama3_2"])

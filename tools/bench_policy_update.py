@@ -337,7 +337,7 @@ def idle_gaps(kernels, start: float, end: float, min_us: float = 20.0) -> tuple[
     busy, gaps, last_end, last_name = 0.0, [], start, None
     for b, e, name in sorted(kernels):
         b, e = max(b, start), min(e, end)
-        if e <= last_end:
+        if e <= last_end or b >= end:
             continue
         if b - last_end >= min_us:
             gaps.append((last_end, b - last_end, last_name, name))
@@ -355,8 +355,10 @@ def _print_idle(events, top: int = 12) -> None:
 
     step = next(e for e in events if e.name == "dualkv.step" and e.device_type == DeviceType.CPU)
     start, end = step.time_range.start, step.time_range.end
+    # GPU work only: record_function ranges (the step, compiled graphs, the optimizer) are
+    # listed as CUDA events too, and would hide the gaps they span
     kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
-               if e.device_type == DeviceType.CUDA]
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     host = [e for e in events if e.device_type == DeviceType.CPU and e is not step]
     busy, gaps = idle_gaps(kernels, start, end)
     idle = end - start - busy
