@@ -316,8 +316,11 @@ class DualKVModel(nn.Module):
 
         def packed():
             pb = self._pack(tokens, prompt_len, padding_mask)
-            hidden = self._run_packed(pb, "hidden")[0]  # [T, d]
+            # before the model is launched: the boolean indexing here waits for the GPU, which
+            # is idle now, but after the launch would wait for the whole forward and then
+            # leave the GPU idle until the LM head is launched
             src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
+            hidden = self._run_packed(pb, "hidden")[0]  # [T, d]
             return head(hidden.index_select(0, src), self._adapter.lm_head_weight(self.model),
                         targets, dst)
 
