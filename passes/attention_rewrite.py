@@ -189,10 +189,14 @@ def _fold_gqa_repeat(args: dict, sdpa: fx.Node) -> list[fx.Node]:
     k, v = _unrepeated(args["key"]), _unrepeated(args["value"])
     if k is None or v is None or example(k).shape[1] != example(v).shape[1]:
         return []
-    order = {n: i for i, n in enumerate(sdpa.graph.nodes)}
-    start, end = min(order[k], order[v]), order[sdpa]
-    if any(_mutates(n) for n, i in order.items() if start < i < end):
-        return []
+    # the nodes between the earlier source and the attention, walked back from the attention
+    unseen, node = {k, v}, sdpa.prev
+    while unseen and node.op != "root":
+        if node in unseen:
+            unseen.discard(node)
+        elif _mutates(node):
+            return []
+        node = node.prev
     repeated = [args["key"], args["value"]]
     args["key"], args["value"] = k, v
     counters["gqa_repeats_folded"] += 1
