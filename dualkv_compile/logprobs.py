@@ -5,11 +5,13 @@ float64 model), logits / temperature, logprob = logit[target] - logsumexp. The b
 recomputes each chunk's logits instead of storing them, so the peak extra memory is one or two
 [chunk, vocab] blocks in the model's dtype, never [positions, vocab].
 
-On CUDA the per-chunk elementwise work (upcast, temperature, log-sum-exp, pick; and in the
-backward onehot - softmax, scaled and cast back) runs as two Inductor-fused kernels that read the
-logits once instead of a dozen eager passes over float32 copies, and the weight gradient is
-accumulated in float32 by the GEMM itself (addmm with out_dtype). The eager path runs the very
-same functions on CPU and is the reference the GPU test compares against.
+On CUDA the per-chunk elementwise work runs as two kernels that read the logits once instead of
+a dozen eager passes over float32 copies: upcast, temperature, log-sum-exp and pick in a Triton
+kernel (chunk_stats_kernel.py: an online log-sum-exp, one read of each logit), and in the
+backward onehot - softmax, scaled and cast back, fused by Inductor with 2-D tiling (its 1-D
+kernel ran 17% slower over a [4096, 151936] chunk). The weight gradient is accumulated in float32
+by the GEMM itself (addmm with out_dtype). The eager path runs the very same functions on CPU
+and is the reference the GPU test compares against.
 
 `chunked_token_loss` fuses a per-token loss into the same loop: once a chunk's logprobs are
 known, the loss's gradient with respect to each of them is known too (the loss of a token
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import chunk_stats_kernel
 from .recompiles import bounded_recompiles
 
 __all__ = ["chunked_logprobs", "chunked_token_loss"]
@@ -66,17 +69,24 @@ def _chunk_grad(logits: Tensor, lse: Tensor, targets: Tensor, grad_out: Tensor,
 _RECOMPILE_LIMIT = 16
 
 
+def _scale_cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """x * scale (a 0-d tensor), rounded once to `dtype`."""
+    return (x * scale).to(dtype)
+
+
 @functools.cache
-def _fused(fn):
-    # once per process (module scope, never per call)
-    compiled = torch.compile(fn, fullgraph=True)
+def _fused(fn, nd_tiling: bool = False):
+    # once per process (module scope, never per call). nd_tiling: Inductor tiles the pointwise
+    # kernel over rows and columns instead of dividing a flat index by the row length
+    options = {"triton.prefer_nd_tiling": True} if nd_tiling else None
+    compiled = torch.compile(fn, fullgraph=True, options=options)
 
     @functools.wraps(fn)
     def call(*args):
         if args[0].shape[0] < 2:
             return fn(*args)
         for a in args:
-            if a.dim() > 0:
+            if isinstance(a, Tensor) and a.dim() > 0:
                 torch._dynamo.mark_dynamic(a, 0)
         with bounded_recompiles(_RECOMPILE_LIMIT, f"the LM-head kernel {fn.__name__}",
                                 advice="Each dtype is one compile; report this with the "
@@ -86,12 +96,25 @@ def _fused(fn):
     return call
 
 
+def _cuda_stats(logits: Tensor, targets: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor]:
+    if chunk_stats_kernel.supports(logits) and temperature.dtype == torch.float32:
+        return chunk_stats_kernel.chunk_stats(logits, targets, temperature)
+    return _fused(_chunk_stats)(logits, targets, temperature)  # float64 logits
+
+
 def _kernels(device: torch.device):
-    """The per-chunk functions: Inductor-fused on CUDA, eager on CPU and when traced into a
-    user's own compiled graph (which fuses them there)."""
+    """The per-chunk functions: fused on CUDA, eager on CPU and when traced into a user's own
+    compiled graph (which fuses them there)."""
     if device.type == "cuda" and not torch.compiler.is_compiling():
-        return _fused(_chunk_stats), _fused(_chunk_grad)
+        return _cuda_stats, _fused(_chunk_grad, nd_tiling=True)
     return _chunk_stats, _chunk_grad
+
+
+def _scaler(device: torch.device):
+    """_scale_cast, fused into one kernel on CUDA (a float32 [V, d] gradient is read once)."""
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        return _fused(_scale_cast)
+    return _scale_cast
 
 
 def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
@@ -106,10 +129,24 @@ def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
         acc += (g.T @ h).to(acc.dtype)
 
 
-def _grad_buffers(ctx, hidden: Tensor, weight: Tensor, wide: torch.dtype):
-    """The hidden-state gradient [M, d] and the weight gradient [V, d] (wide, summed over
-    chunks), each None where no gradient is wanted."""
-    grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b, rounded once to out's dtype: a float32 result of a 16-bit GEMM comes from
+    the GEMM itself on CUDA (mm's out_dtype form, eager only, as in _accumulate_weight_grad)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    elif (out.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+          and out.dtype == torch.float32 and not torch.compiler.is_compiling()):
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.copy_(a @ b)
+
+
+def _grad_buffers(ctx, hidden: Tensor, weight: Tensor, wide: torch.dtype,
+                  hidden_dtype: torch.dtype):
+    """The hidden-state gradient [M, d] in `hidden_dtype` and the weight gradient [V, d] (wide,
+    summed over chunks), each None where no gradient is wanted."""
+    grad_h = torch.empty(hidden.shape, dtype=hidden_dtype, device=hidden.device) \
+        if ctx.needs_input_grad[0] else None
     grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) \
         if ctx.needs_input_grad[1] else None
     return grad_h, grad_w
@@ -120,7 +157,7 @@ def _add_chunk_grads(grad_h, grad_w, g: Tensor, h: Tensor, weight: Tensor, start
     model's dtype (tensor cores for bf16, accumulating in fp32); the weight gradient is summed
     over chunks in the wide dtype."""
     if grad_h is not None:
-        grad_h[start:start + g.shape[0]] = (g @ weight).to(grad_h.dtype)
+        _matmul_into(grad_h[start:start + g.shape[0]], g, weight)
     if grad_w is not None:
         _accumulate_weight_grad(grad_w, g, h)
 
@@ -154,7 +191,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         _, grad_fn = _kernels(hidden.device)
         chunk = ctx.chunk
         grad_out = grad_out.to(lse.dtype).contiguous()
-        grad_h, grad_w = _grad_buffers(ctx, hidden, weight, lse.dtype)
+        grad_h, grad_w = _grad_buffers(ctx, hidden, weight, lse.dtype, hidden.dtype)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
             g = grad_fn(h @ weight.T, lse[s:s + chunk], targets[s:s + chunk],
@@ -203,7 +240,8 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         logprobs = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         loss = torch.zeros((), dtype=wide, device=hidden.device)
         t = torch.full((), temperature, dtype=wide, device=hidden.device)
-        grad_h, grad_w = _grad_buffers(ctx, hidden, weight, wide)
+        # both gradients stay in the wide dtype until the backward knows their scale
+        grad_h, grad_w = _grad_buffers(ctx, hidden, weight, wide, wide)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
             logits = h @ weight.T
@@ -214,18 +252,23 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             g = grad_fn(logits, lse, targets[s:s + chunk], grad_lp.to(wide).contiguous(), t)
             del logits
             _add_chunk_grads(grad_h, grad_w, g, h, weight, s)
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = hidden.dtype, weight.dtype
         ctx.mark_non_differentiable(logprobs)
         return loss, logprobs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _):
-        # the gradients were computed in the forward for a loss weight of 1; a backward from
-        # `loss * c` scales them (exact for c = 1, else one more rounding in the model's dtype)
+        # the gradients were computed in the forward for a loss weight of 1, in the wide dtype;
+        # a backward from `loss * c` scales them and rounds them once to the inputs' dtypes,
+        # in one kernel each on CUDA
         grad_h, grad_w = ctx.saved_tensors
-        scale = (lambda g: None if g is None else (g * grad_loss).to(g.dtype))
-        return scale(grad_h), scale(grad_w), None, None, None, None, None
+        scale = _scaler(grad_loss.device)
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (None if grad_h is None else scale(grad_h, grad_loss, hidden_dtype),
+                None if grad_w is None else scale(grad_w, grad_loss, weight_dtype),
+                None, None, None, None, None)
 
 
 def chunked_token_loss(hidden: Tensor, weight: Tensor, targets: Tensor, token_loss, *,
