@@ -138,8 +138,9 @@ def test_bf16_response_loss_matches_plain_model(family, attention_backend):
 
 
 def test_one_compile_per_length_bucket_over_20_steps():
-    # from a clean Dynamo cache: the two LM-head kernels compile once each for this vocabulary
-    # and dtype (their chunk length is dynamic), the model once per length bucket
+    # from a clean Dynamo cache: the LM head's gradient kernel compiles once for this vocabulary
+    # and dtype (its chunk length is dynamic; the stats kernel is Triton, outside Dynamo), the
+    # model once per length bucket
     dk.counters.clear()
     torch._dynamo.reset()
     from torch._dynamo.utils import counters as dynamo_counters
@@ -166,7 +167,7 @@ def test_one_compile_per_length_bucket_over_20_steps():
                       "dynamo_graphs": graphs}))
     assert 1 < buckets < 20
     assert dk.counters["graphs_compiled"] == buckets
-    assert graphs == buckets + 2
+    assert graphs == buckets + 1
 
 
 def test_flex_kernels_in_generated_code():
