@@ -49,7 +49,10 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             z = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32) / t
             m_new = tl.maximum(m, tl.max(z, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            # an infinite maximum (a block of -inf logits so far, or a +inf logit) is not
+            # subtracted: inf - inf would be NaN where the reference gives -inf or +inf
+            shift = tl.where((m_new == float("inf")) | (m_new == float("-inf")), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
             m = m_new
         lse = m + tl.log(s)
         target = tl.load(targets_ptr + row)
@@ -62,6 +65,7 @@ def chunk_stats(logits: Tensor, targets: Tensor, temperature: Tensor) -> tuple[T
     """logits [c, V], targets [c] (in range; the caller checks), temperature 0-d float32 on the
     same device -> (logprob of each target, logsumexp), both [c] float32. See `supports`."""
     c, vocab = logits.shape
+    targets = targets.contiguous()  # read at row * 1
     logprob = torch.empty(c, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(logprob)
     block = min(_MAX_BLOCK, triton.next_power_of_2(vocab))

@@ -125,19 +125,24 @@ def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
         torch.addmm(acc, g.T, h, out_dtype=torch.float32, out=acc)
     elif g.dtype == acc.dtype:
         acc.addmm_(g.T, h)
-    else:
+    elif not acc.is_cuda:  # CPU: the product in the wide dtype, as the CUDA GEMM forms it
+        acc.addmm_(g.T.to(acc.dtype), h.to(acc.dtype))
+    else:  # traced on CUDA: a 16-bit GEMM (a float32 one would forgo the tensor cores)
         acc += (g.T @ h).to(acc.dtype)
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a @ b, rounded once to out's dtype: a float32 result of a 16-bit GEMM comes from
-    the GEMM itself on CUDA (mm's out_dtype form, eager only, as in _accumulate_weight_grad)."""
+    """out = a @ b, rounded once to out's dtype (except when traced on CUDA): a float32 result
+    of a 16-bit GEMM comes from the GEMM itself on CUDA (mm's out_dtype form, eager only, as in
+    _accumulate_weight_grad), from a float32 product on CPU."""
     if out.dtype == a.dtype:
         torch.mm(a, b, out=out)
     elif (out.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
           and out.dtype == torch.float32 and not torch.compiler.is_compiling()):
         torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
+    elif not out.is_cuda:  # CPU: the product in out's dtype, not rounded to a's first
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+    else:  # traced on CUDA: a 16-bit GEMM (a float32 one would forgo the tensor cores)
         out.copy_(a @ b)
 
 

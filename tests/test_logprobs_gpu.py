@@ -101,6 +101,28 @@ def test_triton_chunk_stats_match_float64(vocab, rows, temperature, dtype, strid
     assert float((logprob - inductor[0]).abs().max()) < 2e-5
 
 
+def test_triton_chunk_stats_strided_targets_and_infinite_logits():
+    # targets taken from a strided view; a row of -inf logits and a row holding a +inf logit
+    # give the reference's -inf and +inf log-sum-exp (not NaN); the other rows are unaffected
+    from dualkv_compile import chunk_stats_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    vocab = 20_000  # three blocks of the kernel
+    logits = (torch.randn(6, vocab, device="cuda", generator=g) * 3).half()
+    logits[0] = float("-inf")
+    logits[1, 12_345] = float("inf")
+    logits[2, :9000] = float("-inf")  # the whole first block
+    targets = torch.randint(0, vocab, (12,), device="cuda", generator=g)[::2]
+    t = torch.tensor(1.0, device="cuda")
+    logprob, lse = chunk_stats_kernel.chunk_stats(logits, targets, t)
+    ref_logprob, ref_lse = lp._chunk_stats(logits, targets, t)
+    assert lse[0] == float("-inf") and lse[1] == float("inf")
+    torch.testing.assert_close(lse[:2], ref_lse[:2], equal_nan=True)
+    torch.testing.assert_close(logprob[:2], ref_logprob[:2], equal_nan=True)
+    assert float((lse[2:] - ref_lse[2:]).abs().max()) < 2e-5
+    assert float((logprob[2:] - ref_logprob[2:]).abs().max()) < 2e-5
+
+
 def run_loss(h, w, targets, cot, temperature, chunk, fused, scale=1.0):
     # the per-token loss cot * logprob, fused into the LM head or after the logprobs
     h = h.detach().requires_grad_()
