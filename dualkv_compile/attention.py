@@ -26,7 +26,7 @@ from .packing import PackedBatch
 from .recompiles import bounded_recompiles
 from .reference import reference_shared_prefix_attention
 from .regions import two_region_attention
-from .stats import counters
+from .stats import counters, log_once
 
 __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
 
@@ -107,17 +107,9 @@ def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
         reason = ("some 128-token blocks of the layout hold two segments (it needs prompts and "
                   "responses in whole blocks)")
     if reason:
-        _log_once(f"FLASH's causal form is skipped and flex lowers the call: {reason}")
+        log_once(log, logging.INFO,
+                 f"FLASH's causal form is skipped and flex lowers the call: {reason}")
     return reason is None
-
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
 
 
 def shared_prefix_attention(

@@ -19,7 +19,7 @@ from dualkv_compile.passes import (attention_rewrite, attention_saving, checkpoi
                                    lm_head, position_tables, token_locality)
 
 from .kernel_options import validate_kernel_options
-from .stats import counters
+from .stats import counters, log_once
 
 __all__ = ["DualKVBackend", "pass_uuids"]
 
@@ -67,9 +67,10 @@ class DualKVBackend:
         if checkpoint_inline.inline_checkpoints(gm):
             observe("checkpoint_inline", gm)
             if self.compiler == "eager":
-                _warn_once("the model's activation checkpointing has no effect with "
-                           "backend='eager' (no partitioner recomputes anything); use "
-                           "'aot_eager' or 'inductor'")
+                log_once(log, logging.WARNING,
+                         "the model's activation checkpointing has no effect with "
+                         "backend='eager' (no partitioner recomputes anything); use "
+                         "'aot_eager' or 'inductor'")
         anchor = attention_rewrite.find_anchor(gm.graph)
         tokens, positions, tables = anchor.args
         attention_rewrite.rewrite_attention(gm, self.template, self.kernel_options,
@@ -100,13 +101,6 @@ class DualKVBackend:
             return _aot_eager(gm, example_inputs, self)
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, backend: DualKVBackend):

@@ -10,8 +10,8 @@ a dozen eager passes over float32 copies: upcast, temperature, log-sum-exp and p
 kernel (chunk_stats_kernel.py: an online log-sum-exp, one read of each logit), and in the
 backward onehot - softmax, scaled and cast back, fused by Inductor with 2-D tiling (its 1-D
 kernel ran 17% slower over a [4096, 151936] chunk). The weight gradient is accumulated in float32
-by the GEMM itself (addmm with out_dtype). The eager path runs the very same functions on CPU
-and is the reference the GPU test compares against.
+by the GEMM itself (addmm with out_dtype, `_wide_matmul`). The eager path runs the very same
+functions on CPU and is the reference the GPU test compares against.
 
 `chunked_token_loss` fuses a per-token loss into the same loop: once a chunk's logprobs are
 known, the loss's gradient with respect to each of them is known too (the loss of a token
@@ -117,32 +117,24 @@ def _scaler(device: torch.device):
     return _scale_cast
 
 
-def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
-    """acc [V, d] (wide) += g.T @ h, the product accumulated in float32 by the GEMM (eagerly
-    on CUDA: addmm's out_dtype form cannot be traced)."""
-    if (acc.is_cuda and g.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32
-            and not torch.compiler.is_compiling()):
-        torch.addmm(acc, g.T, h, out_dtype=torch.float32, out=acc)
-    elif g.dtype == acc.dtype:
-        acc.addmm_(g.T, h)
-    elif not acc.is_cuda:  # CPU: the product in the wide dtype, as the CUDA GEMM forms it
-        acc.addmm_(g.T.to(acc.dtype), h.to(acc.dtype))
-    else:  # traced on CUDA: a 16-bit GEMM (a float32 one would forgo the tensor cores)
-        acc += (g.T @ h).to(acc.dtype)
-
-
-def _matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a @ b, rounded once to out's dtype (except when traced on CUDA): a float32 result
-    of a 16-bit GEMM comes from the GEMM itself on CUDA (mm's out_dtype form, eager only, as in
-    _accumulate_weight_grad), from a float32 product on CPU."""
+def _wide_matmul(out: Tensor, a: Tensor, b: Tensor, *, accumulate: bool) -> None:
+    """out = a @ b, or out += a @ b, with the product formed in out's dtype and rounded to it
+    once: a 16-bit GEMM's float32 result comes from the GEMM itself on CUDA (mm/addmm's
+    out_dtype form, which cannot be traced), from float32 operands on CPU. Traced on CUDA, a
+    16-bit GEMM and a cast (a float32 GEMM would forgo the tensor cores)."""
+    if out.dtype != a.dtype and not out.is_cuda:
+        a, b = a.to(out.dtype), b.to(out.dtype)
     if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    elif (out.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
-          and out.dtype == torch.float32 and not torch.compiler.is_compiling()):
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    elif not out.is_cuda:  # CPU: the product in out's dtype, not rounded to a's first
-        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
-    else:  # traced on CUDA: a 16-bit GEMM (a float32 one would forgo the tensor cores)
+        out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    elif (a.dtype in (torch.bfloat16, torch.float16) and out.dtype == torch.float32
+          and not torch.compiler.is_compiling()):
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif accumulate:
+        out += (a @ b).to(out.dtype)
+    else:
         out.copy_(a @ b)
 
 
@@ -162,9 +154,9 @@ def _add_chunk_grads(grad_h, grad_w, g: Tensor, h: Tensor, weight: Tensor, start
     model's dtype (tensor cores for bf16, accumulating in fp32); the weight gradient is summed
     over chunks in the wide dtype."""
     if grad_h is not None:
-        _matmul_into(grad_h[start:start + g.shape[0]], g, weight)
+        _wide_matmul(grad_h[start:start + g.shape[0]], g, weight, accumulate=False)
     if grad_w is not None:
-        _accumulate_weight_grad(grad_w, g, h)
+        _wide_matmul(grad_w, g.T, h, accumulate=True)
 
 
 def _check_targets(targets: Tensor, vocab: int) -> None:
