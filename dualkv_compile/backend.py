@@ -101,8 +101,6 @@ class DualKVBackend:
             return _aot_eager(gm, example_inputs, self)
 
 
-
-
 def _aot_eager(gm: fx.GraphModule, example_inputs, backend: DualKVBackend):
     """aot_eager with the attention-saving pass before min-cut partitioning; the partitioned
     forward and backward graphs are kept on `backend.last_partition` for tests."""
