@@ -144,19 +144,21 @@ def _grad_buffers(ctx, hidden: Tensor, weight: Tensor, wide: torch.dtype,
     summed over chunks), each None where no gradient is wanted."""
     grad_h = torch.empty(hidden.shape, dtype=hidden_dtype, device=hidden.device) \
         if ctx.needs_input_grad[0] else None
-    grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) \
-        if ctx.needs_input_grad[1] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:  # the first chunk writes it whole (no zero fill, no read)
+        make = torch.empty if hidden.shape[0] else torch.zeros
+        grad_w = make(weight.shape, dtype=wide, device=weight.device)
     return grad_h, grad_w
 
 
 def _add_chunk_grads(grad_h, grad_w, g: Tensor, h: Tensor, weight: Tensor, start: int) -> None:
     """g = d loss / d logits of the chunk of hidden states h at `start`. The matmuls run in the
     model's dtype (tensor cores for bf16, accumulating in fp32); the weight gradient is summed
-    over chunks in the wide dtype."""
+    over chunks in the wide dtype: the first chunk (start 0) writes it, the others add to it."""
     if grad_h is not None:
         _wide_matmul(grad_h[start:start + g.shape[0]], g, weight, accumulate=False)
     if grad_w is not None:
-        _wide_matmul(grad_w, g.T, h, accumulate=True)
+        _wide_matmul(grad_w, g.T, h, accumulate=start > 0)
 
 
 def _check_targets(targets: Tensor, vocab: int) -> None:

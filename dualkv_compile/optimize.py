@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .adapters import adapter_for
 from .backend import DualKVBackend
 from .config import DualKVConfig
+from .gather_rows import SharedRows, gather_rows
 from .layout_inputs import layout_anchor, layout_tables
 from .logprobs import chunked_logprobs, chunked_token_loss
 from .packing import PackedBatch, pack
@@ -309,7 +310,7 @@ class DualKVModel(nn.Module):
             pb = self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
             hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
                                         self._adapter.replicated_mask(mask))
-            _, targets, dst = _predictions(tokens, mask, prompt_len, pb)
+            _, targets, dst, _ = _predictions(tokens, mask, prompt_len, pb)
             rows = _row_sources(mask, prompt_len, hidden.device)
             return head(hidden.flatten(0, 1).index_select(0, rows),
                         self._adapter.lm_head_weight(self.model), targets, dst)
@@ -319,10 +320,10 @@ class DualKVModel(nn.Module):
             # before the model is launched: the boolean indexing here waits for the GPU, which
             # is idle now, but after the launch would wait for the whole forward and then
             # leave the GPU idle until the LM head is launched
-            src, targets, dst = _predictions(tokens, mask, prompt_len, pb)
+            src, targets, dst, shared = _predictions(tokens, mask, prompt_len, pb)
             hidden = self._run_packed(pb, "hidden")[0]  # [T, d]
-            return head(hidden.index_select(0, src), self._adapter.lm_head_weight(self.model),
-                        targets, dst)
+            return head(gather_rows(hidden, src, shared),
+                        self._adapter.lm_head_weight(self.model), targets, dst)
 
         return self._packed_or_dense(packed, dense)
 
@@ -330,7 +331,8 @@ class DualKVModel(nn.Module):
 def _predictions(tokens, mask, prompt_len, pb: PackedBatch):
     """For every valid response token: the packed index of the hidden state that predicts it
     (the previous token of its row; the prompt's last token for the first), its token id, and
-    its flat index in the [B, L - prompt_len] output."""
+    its flat index in the [B, L - prompt_len] output; and where those sources repeat (the
+    prompt's last token, once per member with a response), as gather_rows takes it."""
     b, l = tokens.shape
     r = l - prompt_len
     device = tokens.device
@@ -338,11 +340,15 @@ def _predictions(tokens, mask, prompt_len, pb: PackedBatch):
     valid = mask[:, prompt_len:]
     resp = index[:, prompt_len:]  # packed index of each response token
     # previous token: the one before it in the packed response, or the prompt's last token
-    prompt_last = torch.tensor([pb.group_spans[g][1] - 1 for g in pb.group_ids.tolist()],
-                               device=device)
-    prev = torch.cat([prompt_last[:, None], resp[:, :-1]], dim=1)
+    group_last = torch.tensor([pe - 1 for _, pe, _ in pb.group_spans], device=device)
+    group = pb._index("group_ids", device)
+    prev = torch.cat([group_last[group][:, None], resp[:, :-1]], dim=1)
     dst = (torch.arange(b, device=device)[:, None] * r + torch.arange(r, device=device))[valid]
-    return prev[valid], tokens[:, prompt_len:][valid], dst
+    # the gathered index of each row's first response token (responses are right-padded)
+    counts = valid.sum(1)
+    starts, has_first = counts.cumsum(0) - counts, valid[:, 0]
+    shared = SharedRows(rows=group_last, members=starts[has_first], slot=group[has_first])
+    return prev[valid], tokens[:, prompt_len:][valid], dst, shared
 
 
 def _row_sources(mask, prompt_len, device):

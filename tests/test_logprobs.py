@@ -243,3 +243,28 @@ def test_token_loss_scaled_gradients_are_rounded_once():
     # rounded twice, they would differ: the test can fail
     assert not torch.equal(dw, (acc_w.bfloat16() * c).bfloat16())
     assert not torch.equal(dh, (acc_h.bfloat16() * c).bfloat16())
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_gradient_buffers_are_written_before_they_are_read(monkeypatch, rows):
+    """The weight gradient's buffer is allocated uninitialised and the first chunk writes it
+    whole. Every fresh float buffer is poisoned with NaN here: a chunk that added to it, or no
+    chunk at all (no rows) leaving it as allocated, would show NaN."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(rows, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(13, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 13, (rows,), generator=g)
+    ref = (chunked_logprobs(h, w, t) * 2).sum()
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for run in (lambda: (chunked_logprobs(h, w, t, chunk_size=2) * 2).sum(),
+                lambda: chunked_token_loss(h, w, t, lambda lp, i: lp * 2, chunk_size=2)[0]):
+        dh, dw = torch.autograd.grad(run(), (h, w), allow_unused=True)
+        assert torch.isfinite(dw).all() and rel_err(dw, rw) < 1e-13
+        assert dh.shape == h.shape and (rows == 0 or rel_err(dh, rh) < 1e-13)
