@@ -130,13 +130,21 @@ def shared_prefix_attention(
     kernel (see attention_backend.py); FLASH on a block-aligned layout runs FA4's causal form
     (flash_causal.py); `kernel_options` override the architecture's table entry
     (CUDA only; validated, unknown keys raise). "regions" runs dense kernels over the two KV
-    regions instead of flex, on CUDA (cuDNN, bf16/fp16) and on CPU (regions.py).
+    regions instead of flex, on CUDA (cuDNN, bf16/fp16) and on CPU (regions.py);
+    "flash_regions" runs flash-attn-4's dense kernels over them (CUDA; explicit math on CPU;
+    flash_regions.py).
     """
     _check(q, k, v, packed)
+    if attention_backend in ("regions", "flash_regions") and kernel_options:
+        raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
+                         f"attention_backend={attention_backend!r} does not use it")
+    if attention_backend == "flash_regions":
+        from .flash_regions import flash_regions_attention_op
+
+        seg, pre = (x[0].to(q.device) for x in (packed.segment_ids, packed.prefix_segment_ids))
+        return flash_regions_attention_op(q, k, v, seg, pre,
+                                          q.shape[-1] ** -0.5 if scale is None else scale)[0]
     if attention_backend == "regions":
-        if kernel_options:
-            raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
-                             f"attention_backend='regions' does not use it")
         if torch.compiler.is_compiling():  # inside a user's torch.compile: the opaque op
             from .regions import regions_attention_op
 

@@ -22,9 +22,10 @@ __all__ = ["ALL_ATTENTION_BACKENDS", "ATTENTION_BACKENDS", "describe_attention_b
 log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "flash", "triton")  # the flex kernels
-# every choice of DualKVConfig.attention_backend: the flex kernels, and "regions" (regions.py:
-# dense cuDNN calls over the two KV regions, no flex)
-ALL_ATTENTION_BACKENDS = ATTENTION_BACKENDS + ("regions",)
+# every choice of DualKVConfig.attention_backend: the flex kernels, "regions" (regions.py:
+# dense cuDNN calls over the two KV regions, no flex) and "flash_regions" (flash_regions.py:
+# flash-attn-4's dense kernels over them)
+ALL_ATTENTION_BACKENDS = ATTENTION_BACKENDS + ("regions", "flash_regions")
 _FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
 # head dims FLASH is used for: those its GPU tests passed at. At head dim 16 FA4 4.0.0b36 returned
 # a wrong dq (relative error 1.07, H100, docs/results/gpu_attention_tests_h100.txt).
@@ -94,6 +95,13 @@ def describe_attention_backend(device: torch.device, head_dim: int | None = None
             return f"REGIONS cannot run on {device}: cuDNN computes in bf16/fp16, not {dtype}"
         kernel = "cuDNN" if device.type == "cuda" else "PyTorch's CPU flash kernel"
         return f"REGIONS on {device} (requested 'regions'; {kernel} over the two KV regions)"
+    if requested == "flash_regions":
+        if device.type != "cuda":
+            return (f"FLASH_REGIONS on {device} (requested 'flash_regions'; explicit math over "
+                    f"the two KV regions, the CPU form of flash-attn-4's calls)")
+        ok, reason = flash_status(device, head_dim, dtype)
+        state = "" if ok else "cannot run: "
+        return f"FLASH_REGIONS on {device} (requested 'flash_regions'; {state}{reason})"
     if device.type != "cuda":
         return f"CPU reference (SDPA per segment) on {device}; CUDA devices use FLASH or Triton"
     chosen = resolve_attention_backend(requested, device, head_dim, dtype)

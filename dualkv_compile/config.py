@@ -29,8 +29,10 @@ class DualKVConfig:
         lengths vary widely (1.1: about 7 buckets per doubling of T, <= 10% padding).
     attention_backend: the CUDA attention kernel: "auto" (FLASH where flash-attn-4 imports on
         sm_90/sm_100, else Triton, logged once), "flash" (raises where it cannot run),
-        "triton", or "regions" (no flex: dense cuDNN calls over the two KV regions, merged by
-        log-sum-exp; regions.py; also on CPU with PyTorch's CPU flash kernel).
+        "triton", "regions" (no flex: dense cuDNN calls over the two KV regions, merged by
+        log-sum-exp; regions.py; also on CPU with PyTorch's CPU flash kernel), or
+        "flash_regions" (the same with flash-attn-4's dense kernels, two calls per layer;
+        flash_regions.py; explicit math on CPU).
     kernel_options: FlexAttention kernel options over the architecture's table (validated).
     backend: "auto" (Inductor on CUDA, aot_eager elsewhere, since Inductor's CPU flex has no
         backward), "inductor", "aot_eager" or "eager".
@@ -76,9 +78,9 @@ class DualKVConfig:
         if self.attention_backend not in ALL_ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              f"{ALL_ATTENTION_BACKENDS}")
-        if self.attention_backend == "regions" and self.kernel_options:
+        if self.attention_backend in ("regions", "flash_regions") and self.kernel_options:
             raise ValueError(f"kernel_options={self.kernel_options!r} configure flex_attention; "
-                             f"attention_backend='regions' does not use it")
+                             f"attention_backend={self.attention_backend!r} does not use it")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {_BACKENDS}")
         if self.fallback not in _FALLBACKS:

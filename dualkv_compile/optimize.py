@@ -129,7 +129,8 @@ class DualKVModel(nn.Module):
         """logits [1, T, V] (mode "logits") or final hidden states [1, T, d] ("hidden")."""
         device = packed.tokens.device
         tables, template = layout_tables(
-            packed, device, block_mask=self.config.attention_backend != "regions")
+            packed, device,
+            block_mask=self.config.attention_backend not in ("regions", "flash_regions"))
         if self.compile_region() == "layer":
             return self._run_layers(packed, mode, tables, template)
         compiled = self._compiled_call(mode, functools.partial(self._traced, mode), device)

@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from .packing import PackedBatch
 
-__all__ = ["CUDNN_DTYPES", "two_region_attention", "regions_attention_op"]
+__all__ = ["CUDNN_DTYPES", "plan_of_tables", "two_region_attention", "regions_attention_op"]
 
 CUDNN_DTYPES = (torch.bfloat16, torch.float16)  # what the CUDA kernels (cuDNN) compute in
 
@@ -391,18 +391,21 @@ def two_region_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch,
 # Every layer's call (forward and backward) gets the same segment tables of one micro-batch: the
 # plan is read once per pair of table objects. An entry holds weak references, so it is found
 # only while those very objects are alive and unmodified; ids of live objects are unique.
-_PLANS: dict[tuple[int, int], tuple] = {}
+_PLANS: dict[tuple, tuple] = {}
 
 
-def _plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
-    key = (id(segment_ids), id(prefix_segment_ids))
+def plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor, build=None):
+    """build(segment_ids, prefix_segment_ids) (default: plan_of_segments), once per pair of
+    live, unmodified table objects."""
+    build = build or plan_of_segments
+    key = (id(segment_ids), id(prefix_segment_ids), build)
     versions = (segment_ids._version, prefix_segment_ids._version)
     hit = _PLANS.get(key)
     if hit and hit[0]() is segment_ids and hit[1]() is prefix_segment_ids and hit[2] == versions:
         return hit[3]
     for stale in [k for k, e in _PLANS.items() if e[0]() is None or e[1]() is None]:
         del _PLANS[stale]
-    plan = plan_of_segments(segment_ids, prefix_segment_ids)
+    plan = build(segment_ids, prefix_segment_ids)
     _PLANS[key] = (weakref.ref(segment_ids), weakref.ref(prefix_segment_ids), versions, plan)
     return plan
 
@@ -410,7 +413,7 @@ def _plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
 @torch.library.custom_op("dualkv::regions_attention", mutates_args=())
 def regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
                          prefix_segment_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse, _ = regions_forward(q, k, v, _plan_of_tables(segment_ids, prefix_segment_ids),
+    out, lse, _ = regions_forward(q, k, v, plan_of_tables(segment_ids, prefix_segment_ids),
                                   scale)
     return out, lse
 
@@ -424,7 +427,7 @@ def _(q, k, v, segment_ids, prefix_segment_ids, scale):
 def regions_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                   lse: Tensor, segment_ids: Tensor, prefix_segment_ids: Tensor,
                                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    plan = _plan_of_tables(segment_ids, prefix_segment_ids)
+    plan = plan_of_tables(segment_ids, prefix_segment_ids)
     return regions_backward(dout, q, k, v, out, lse, plan, scale)
 
 

@@ -46,3 +46,12 @@ def source_line(node: fx.Node) -> str:
 def pass_uuid(path: str) -> str:
     """A cache id that changes whenever the pass's source changes."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def regions_ops() -> set:
+    """The opaque attention ops the rewrite may insert instead of flex: the regions op
+    (regions.py) and the flash-regions op (flash_regions.py)."""
+    from dualkv_compile.flash_regions import flash_regions_attention_op
+    from dualkv_compile.regions import regions_attention_op
+
+    return {regions_attention_op._opoverload, flash_regions_attention_op._opoverload}

@@ -5,7 +5,8 @@ model computed from positions and shapes alone (transformers builds one from pos
 Masks that depend on token data or parameters, dropout, or a batch other than 1 are refused.
 The replacement is the flex_attention higher-order op with the packed layout's BlockMask, whose
 tensors (and the 1-D segment tables its mask_mod reads) come from the layout anchor's inputs;
-with attention_backend="regions", the opaque op torch.ops.dualkv.regions_attention (regions.py),
+with attention_backend="regions" (or "flash_regions"), the opaque op
+torch.ops.dualkv.regions_attention (regions.py; flash_regions_attention, flash_regions.py),
 which reads the segment tables only.
 The model's own mask computation becomes dead and is removed.
 """
@@ -239,8 +240,9 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
     sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
     if not sdpa_nodes:
         raise Refusal("no scaled_dot_product_attention in the traced model; nothing to share")
-    if attention_backend == "regions":
-        _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids)
+    if attention_backend in ("regions", "flash_regions"):
+        _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
+                    attention_backend)
     else:
         _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_backend,
                  segment_ids, prefix_segment_ids, block_tensors)
@@ -264,16 +266,26 @@ def _replace(node: fx.Node, out: fx.Node) -> None:
     counters["attention_rewritten"] += 1
 
 
-def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids) -> None:
-    """SDPA -> torch.ops.dualkv.regions_attention (regions.py), fed the 1-D segment tables."""
+def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
+                backend: str) -> None:
+    """SDPA -> torch.ops.dualkv.regions_attention (regions.py) or, for "flash_regions",
+    torch.ops.dualkv.flash_regions_attention (flash_regions.py), fed the 1-D segment tables."""
+    from dualkv_compile.attention_backend import flash_status
+    from dualkv_compile.flash_regions import flash_regions_attention_op
     from dualkv_compile.regions import CUDNN_DTYPES, regions_attention_op
 
+    op = flash_regions_attention_op if backend == "flash_regions" else regions_attention_op
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
         repeated = _fold_gqa_repeat(args, node)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
-        if q.device.type == "cuda" and q.dtype not in CUDNN_DTYPES:
+        if q.device.type == "cuda" and backend == "flash_regions":
+            ok, reason = flash_status(q.device, q.shape[-1], q.dtype)
+            if not ok:
+                raise Refusal(f"attention at {source_line(node)}: attention_backend="
+                              f"'flash_regions' cannot run: {reason}")
+        elif q.device.type == "cuda" and q.dtype not in CUDNN_DTYPES:
             raise Refusal(f"attention at {source_line(node)} is {q.dtype}; "
                           f"attention_backend='regions' runs cuDNN on CUDA, which needs bf16 "
                           f"or fp16")
@@ -281,12 +293,12 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids) -
             raise Refusal(f"attention at {source_line(node)} has head dims q {q.shape[-1]}, "
                           f"k {k.shape[-1]}, v {v.shape[-1]}; the regions op needs them equal")
         with graph.inserting_before(node):
-            op = graph.call_function(
-                regions_attention_op._opoverload,
+            call = graph.call_function(
+                op._opoverload,
                 (args["query"], args["key"], args["value"], segment_ids, prefix_segment_ids,
                  _scale(args, q)),
             )
-            out = graph.call_function(operator.getitem, (op, 0))
+            out = graph.call_function(operator.getitem, (call, 0))
         _replace(node, out)
         _erase_unused(repeated)
 

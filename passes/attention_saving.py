@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dualkv_compile.stats import counters
 
-from ._common import pass_uuid
+from ._common import pass_uuid, regions_ops
 
 __all__ = ["save_attention", "SaveAttentionPass", "uuid"]
 
@@ -30,11 +30,9 @@ def uuid() -> str:
 
 
 def save_attention(graph: fx.Graph) -> int:
-    """Tag the inputs and outputs of every attention forward (flex, or the regions op) in the
+    """Tag the inputs and outputs of every attention forward (flex, or a regions op) in the
     joint `graph`; returns the count."""
-    from dualkv_compile.regions import regions_attention_op
-
-    targets = {torch.ops.higher_order.flex_attention, regions_attention_op._opoverload}
+    targets = {torch.ops.higher_order.flex_attention, *regions_ops()}
     attention = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
     for node in attention:
         tagged = [a for a in node.args[:3] if isinstance(a, fx.Node) and a.op == "call_function"]

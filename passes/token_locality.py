@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, example, op_name, pass_uuid, source_line
+from ._common import Refusal, example, op_name, pass_uuid, regions_ops, source_line
 
 __all__ = ["prove_token_locality", "uuid"]
 
@@ -295,13 +295,11 @@ class _Proof:
 
 
 def _is_attention(node: fx.Node) -> bool:
-    """The rewritten attention: the flex_attention HOP, or the regions op (regions.py)."""
+    """The rewritten attention: the flex_attention HOP, or a regions op (regions.py,
+    flash_regions.py)."""
     if node.op != "call_function":
         return False
-    from dualkv_compile.regions import regions_attention_op
-
-    return (getattr(node.target, "__name__", "") == "flex_attention"
-            or node.target is regions_attention_op._opoverload)
+    return getattr(node.target, "__name__", "") == "flex_attention" or node.target in regions_ops()
 
 
 def prove_token_locality(graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout) -> int:

@@ -3,8 +3,9 @@
 Error criterion (per output and per gradient): ||ours_bf16 - ref_fp32|| / ||ref_fp32|| is at
 most twice what dense causal SDPA in bf16 on the replicated rows shows against the same fp32
 reference. The fp32 reference runs on the bf16 inputs upcast, so both see identical inputs.
-Every check runs on the three CUDA kernels: Triton flex, FLASH (FA4), and "regions" (cuDNN over
-the two KV regions, regions.py); FLASH is skipped, with the reason, where flash-attn-4 is not
+Every check runs on the four CUDA kernels: Triton flex, FLASH (FA4), "regions" (cuDNN over the
+two KV regions, regions.py) and "flash_regions" (FA4's dense kernels over them,
+flash_regions.py); the FA4 ones are skipped, with the reason, where flash-attn-4 is not
 installed or the GPU is not sm_90/sm_100.
 Run with `pytest -m gpu -s tests/test_attention_gpu.py` on a CUDA machine.
 """
@@ -25,7 +26,7 @@ from dualkv_compile.testing import (
 )
 
 pytestmark = pytest.mark.gpu
-BACKENDS = ["triton", "flash", "regions"]
+BACKENDS = ["triton", "flash", "regions", "flash_regions"]
 NAMES = ("out", "dq", "dk", "dv")
 RESULTS = []
 
@@ -34,7 +35,7 @@ RESULTS = []
 def backend(request):
     from dualkv_compile.attention_backend import flash_status
 
-    if request.param == "flash" and torch.cuda.is_available():
+    if request.param in ("flash", "flash_regions") and torch.cuda.is_available():
         available, reason = flash_status(torch.device("cuda"))
         if not available:
             pytest.skip(f"FLASH backend unavailable: {reason}")
@@ -84,7 +85,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("prompts,responses,hq,hkv,d", LAYOUTS)
 def test_bf16_matches_replicated(prompts, responses, hq, hkv, d, backend):
-    if backend == "flash" and d not in (64, 128):  # FA4 gave a wrong dq at 16: must raise
+    if backend in ("flash", "flash_regions") and d not in (64, 128):  # FA4: wrong dq at 16
         with pytest.raises(ValueError, match=f"head dim {d}"):
             compare_bf16(prompts, responses, hq, hkv, d, seed=1, backend=backend)
         return
@@ -136,10 +137,10 @@ def test_recompiles_stay_bounded_over_new_batches_and_lengths(backend):
     assert len(set(seen)) == 3  # two batches share T=640, another two T=1792
     assert sorted(set(again)) == sorted(set(seen))
     assert recompiles == 0, recompiles  # no compile per batch
-    if backend != "regions":  # flex: one static compile per length bucket
+    if backend not in ("regions", "flash_regions"):  # flex: one static compile per bucket
         assert compiles == 3, compiles
-    # regions: cuDNN calls, plus its merge kernel compiled with dynamic shapes (per rank and
-    # size-1 dimensions, not per length)
+    # regions: cuDNN (or FA4) calls, plus a merge kernel compiled with dynamic shapes (per
+    # rank and size-1 dimensions, not per length)
 
 
 def teardown_module():
@@ -183,3 +184,27 @@ def test_flash_causal_form_equals_flex_flash(prompts, responses, causal_form):
     assert diffs["out"] == 0, diffs
     for name in ("dq", "dk", "dv"):  # a bf16 ulp is 2^-8; a wrong mask errs by O(0.1) or more
         assert errs[name] <= 4e-3, errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lse_merge_kernel_matches_the_eager_merge(dtype):
+    """flash_regions' in-place merge on CUDA (a Triton kernel) against its eager reference,
+    on views like the ones it gets: rows of a token-major buffer, a strided [H, L] slice of
+    the log-sum-exps, and a row count that is not a multiple of the kernel's block."""
+    from dualkv_compile import lse_merge_kernel
+    from dualkv_compile.flash_regions import _merge_into_eager
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, h, d, rs, re = 1000, 4, 128, 123, 900
+    out = torch.randn(t, h, d, device="cuda", generator=g).to(dtype)
+    lse = torch.randn(h, t, device="cuda", generator=g) * 5
+    out_x = torch.randn(re - rs, h, d, device="cuda", generator=g).to(dtype)
+    lse_x = torch.randn(h, re - rs, device="cuda", generator=g) * 5
+    ref_out, ref_lse = out.clone(), lse.clone()
+    _merge_into_eager(ref_out[rs:re], ref_lse[:, rs:re], out_x, lse_x)
+    assert lse_merge_kernel.supports(out[rs:re], lse[:, rs:re], out_x, lse_x)
+    lse_merge_kernel.merge_into(out[rs:re], lse[:, rs:re], out_x, lse_x)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert torch.allclose(lse, ref_lse, atol=1e-5, rtol=1e-6)
+    assert torch.equal(out[:rs], ref_out[:rs]) and torch.equal(out[re:], ref_out[re:])
+    assert torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol)

@@ -43,7 +43,7 @@ def fresh_counters():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("attention_backend", ["auto", "regions"])
+@pytest.mark.parametrize("attention_backend", ["auto", "regions", "flash_regions"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backend):
     """"auto" on CPU: the flex higher-order op's dense math; "regions": the opaque regions op
@@ -87,7 +87,9 @@ def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backen
     stored = {"hf_qwen3": 2, "hf_llama": 2, "qwen2_5": 8, "llama3_2": 4}[family]
     assert dk.counters["position_tables_materialized"] == 2 * stored
     targets = [str(n.target) for n in wrapper._backends["hidden"].last_graph.graph.nodes]
-    kernel = "regions_attention" if attention_backend == "regions" else "flex_attention"
+    kernel = {"regions": "dualkv.regions_attention",
+              "flash_regions": "dualkv.flash_regions_attention"}.get(attention_backend,
+                                                                   "flex_attention")
     assert sum(kernel in t for t in targets) == 2, targets
 
 

@@ -36,6 +36,14 @@ def logprobs_and_grads(fn, model, tokens, mask, p, adv):
     return lp.detach().float(), grads
 
 
+def skip_without_flash(attention_backend):
+    from dualkv_compile.attention_backend import flash_status
+
+    available, reason = flash_status(torch.device("cuda"))
+    if attention_backend == "flash_regions" and not available:
+        pytest.skip(f"flash_regions unavailable: {reason}")
+
+
 def batch(seed, vocab):
     g = torch.Generator().manual_seed(seed)
     tokens, mask, p = make_batch([300, 129, 1], [[200, 0, 57, 130], [64] * 3, [250]],
@@ -60,10 +68,13 @@ def enable_checkpointing(model):
                          + [("hf_qwen3", True, "model", "auto"), ("qwen2_5", True, "model", "auto"),
                             ("qwen2_5", False, "layer", "auto"), ("qwen2_5", True, "layer", "auto"),
                             ("hf_qwen3", False, "model", "regions"),
-                            ("qwen2_5", True, "model", "regions")])
+                            ("qwen2_5", True, "model", "regions"),
+                            ("hf_qwen3", False, "model", "flash_regions"),
+                            ("qwen2_5", True, "model", "flash_regions")])
 @torch._inductor.config.patch(fx_graph_cache=False)  # the counters below need a real compile
 @torch._functorch.config.patch(enable_autograd_cache=False)
 def test_bf16_model_matches_plain_model(family, checkpointing, region, attention_backend):
+    skip_without_flash(attention_backend)
     dk.counters.clear()
     vocab = 1024
     base = tiny_model(family, vocab=vocab, dim=256, max_seq_len=2048).cuda()
@@ -99,10 +110,12 @@ def test_bf16_model_matches_plain_model(family, checkpointing, region, attention
 
 
 @pytest.mark.parametrize("family,attention_backend", [("hf_qwen3", "auto"), ("qwen2_5", "auto"),
-                                                      ("hf_qwen3", "regions")])
+                                                      ("hf_qwen3", "regions"),
+                                                      ("hf_qwen3", "flash_regions")])
 def test_bf16_response_loss_matches_plain_model(family, attention_backend):
     # the same GRPO-style loss fused into the LM head (response_loss): gradients against the
     # fp32 model row by row, at most twice the plain bf16 model's error
+    skip_without_flash(attention_backend)
     vocab = 1024
     base = tiny_model(family, vocab=vocab, dim=256, max_seq_len=2048).cuda()
     ref32, plain, ours = copy.deepcopy(base).float(), copy.deepcopy(base).bfloat16(), base.bfloat16()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..attention_backend import ALL_ATTENTION_BACKENDS
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
@@ -61,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="build the model with this many layers (default: as configured)")
     ins.add_argument("--out", default=None, help="write the graphs and an SVG here")
     ins.add_argument("--attention-backend", default="auto",
-                     choices=["auto", "flash", "triton", "regions"],
-                     help="the attention the rewrite inserts: flex (auto/flash/triton) or the "
-                          "regions op")
+                     choices=list(ALL_ATTENTION_BACKENDS),
+                     help="the attention the rewrite inserts: flex (auto/flash/triton) or a "
+                          "regions op (regions: cuDNN, flash_regions: flash-attn-4)")
 
     msk = subs.add_parser("mask", help="draw the block mask of a layout as a PNG")
     _layout(msk)

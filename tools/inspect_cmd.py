@@ -63,7 +63,7 @@ def run_inspect(args, out=print) -> int:
 
     asked = args.attention_backend
     cpu = describe_attention_backend(torch.device("cpu"),
-                                     requested="regions" if asked == "regions" else "auto")
+                                     requested=asked if asked in ("regions", "flash_regions") else "auto")
     out(f"attention kernel: {cpu}")
     if torch.cuda.is_available():
         head_dim = _head_dim(model)

@@ -1,0 +1,307 @@
+"""FLASH over the two KV regions: flash-attn-4's dense kernels, two calls per layer.
+
+A token sees its own segment causally (a prompt itself, a response itself, the padding itself)
+and, if it is a response token, its group's whole prompt. This backend runs those two regions
+as dense FA4 calls on the token-major packed tensors:
+
+- own: one varlen causal call over every segment (cu_seqlens = the segment boundaries);
+- cross: per group, its responses (a contiguous run of tokens) against its prompt, not causal;
+
+and merges a response row's two partial softmaxes by their log-sum-exp, in place. The backward
+calls both kernels' backward with the merged `out` and `lse` (the exact gradient of the merged
+softmax, as in regions.py) and adds the cross call's dq to the responses' rows and its dk/dv to
+the prompt's.
+
+Why: FA4's dense non-causal backward tiles the cross region 80 x 128 (its non-causal sm_90
+configuration), where the block-sparse call that flex makes is held to 64 x 128 by its 128-row
+sparse blocks. At (32, 8K, 1K) on an H100 the cross call's fwd+bwd took 24.6 ms against 26.5 ms
+with 64-row tiles, and both calls with the merge 31.5 ms against flex FLASH's 32.6 ms
+(docs/results/attention_fa4_regions_probe_h100.json). On CPU (and for the CPU tests) the same plan
+runs with explicit math in the inputs' dtype, widened to at least float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["flash_regions_attention_op", "plan_of_segments"]
+
+
+class Plan(NamedTuple):
+    bounds: tuple[int, ...]  # every segment's start, then T
+    cu: Tensor  # the same, int32 on the device: FA4's cu_seqlens
+    max_len: int  # the longest segment
+    cross: tuple[tuple[int, int, int, int], ...]  # per group: responses [rs, re), prompt [ps, pe)
+
+
+def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> Plan:
+    """The plan from the layout's 1-D segment tables: runs of equal segment id are segments; a
+    run whose prefix segment is itself is a prompt (or the padding), any other a response of
+    the prompt it names, which must be the last prompt before it. One host synchronisation."""
+    t = segment_ids.shape[0]
+    starts = torch.ones(t, dtype=torch.bool, device=segment_ids.device)
+    starts[1:] = segment_ids[1:] != segment_ids[:-1]
+    idx = starts.nonzero().flatten()
+    first, seg, pre = torch.stack([idx, segment_ids[idx].long(),
+                                   prefix_segment_ids[idx].long()]).tolist()
+    bounds = tuple(first) + (t,)
+    cross, prompt = [], None  # prompt: (id, start, end) of the last prompt seen
+    for i, (sid, pid) in enumerate(zip(seg, pre)):
+        s, e = bounds[i], bounds[i + 1]
+        if sid == pid:
+            prompt = (sid, s, e)
+        elif prompt is None or pid != prompt[0]:
+            raise ValueError(f"segment tables: the response at tokens [{s}, {e}) names prompt "
+                             f"segment {pid}, which is not the prompt before it; tables from "
+                             f"dualkv_compile.pack() always put it there")
+        elif cross and cross[-1][2:] == prompt[1:]:
+            cross[-1] = (cross[-1][0], e, *prompt[1:])  # the group's run grows
+        else:
+            cross.append((s, e, *prompt[1:]))
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    cu = torch.tensor(bounds, dtype=torch.int32).to(segment_ids.device, non_blocking=True)
+    return Plan(bounds, cu, max(lengths), tuple(cross))
+
+
+# ---- the kernels: token-major q [L, Hq, D], k/v [S, Hkv, D]; lse [Hq, L] float32 ------------
+
+def _fa4_own_forward(q, k, v, plan, scale, out, lse):
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    _flash_attn_fwd(q, k, v, cu_seqlens_q=plan.cu, cu_seqlens_k=plan.cu,
+                    max_seqlen_q=plan.max_len, max_seqlen_k=plan.max_len, softmax_scale=scale,
+                    causal=True, return_lse=True, out=out, lse=lse)
+
+
+def _fa4_cross_forward(q, k, v, scale):
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q[None], k[None], v[None], softmax_scale=scale, causal=False,
+                               return_lse=True)[:2]
+    return out[0], lse[0]
+
+
+def _fa4_own_backward(dout, q, k, v, out, lse, plan, scale):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    return _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=True,
+                           cu_seqlens_q=plan.cu, cu_seqlens_k=plan.cu,
+                           max_seqlen_q=plan.max_len, max_seqlen_k=plan.max_len)[:3]
+
+
+def _fa4_cross_backward(dout, q, k, v, out, lse, scale):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    grads = _flash_attn_bwd(q[None], k[None], v[None], out[None], dout[None],
+                            lse[None].contiguous(), softmax_scale=scale, causal=False)[:3]
+    return tuple(g[0] for g in grads)
+
+
+def _wide(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _math_scores(q, k, scale, causal):
+    """[Hq, L, S] scores in the wide dtype; k's heads repeated for grouped-query attention."""
+    rep = q.shape[1] // k.shape[1]
+    s = torch.einsum("lhd,shd->hls", _wide(q), _wide(k).repeat_interleave(rep, 1)) * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s, rep
+
+
+def _math_forward(q, k, v, scale, causal):
+    s, rep = _math_scores(q, k, scale, causal)
+    lse = s.logsumexp(-1)
+    p = (s - lse[..., None]).exp()
+    out = torch.einsum("hls,shd->lhd", p, _wide(v).repeat_interleave(rep, 1))
+    return out.to(q.dtype), lse.float() if q.dtype != torch.float64 else lse
+
+
+def _math_backward(dout, q, k, v, out, lse, scale, causal):
+    """The region's share of the gradients of rows whose softmax (`out`, `lse`) may span
+    another region too. The row term rowsum(dO * out) is split into this region's
+    sum(P * dP) and the rest of the row, dO * (out - this region's part of out), which is
+    exactly 0 for a row that sees this region only (so dq is exactly 0 for a row that sees one
+    key, as in the replicated reference)."""
+    s, rep = _math_scores(q, k, scale, causal)
+    p = (s - _wide(lse)[..., None]).exp()
+    do, vr = _wide(dout), _wide(v).repeat_interleave(rep, 1)
+    dp = torch.einsum("lhd,shd->hls", do, vr)
+    rest = (do * (_wide(out) - torch.einsum("hls,shd->lhd", p, vr))).sum(-1).T
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True) - rest[..., None])
+    dq = torch.einsum("hls,shd->lhd", ds, _wide(k).repeat_interleave(rep, 1)) * scale
+    dk = torch.einsum("hls,lhd->shd", ds, _wide(q)) * scale
+    dv = torch.einsum("hls,lhd->shd", p, do)
+
+    def per_kv_head(x):  # [S, Hq, D] -> [S, Hkv, D], summing each group of query heads
+        return x.unflatten(1, (k.shape[1], rep)).sum(2)
+
+    return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+def _math_own_forward(q, k, v, plan, scale, out, lse):
+    for a, b in zip(plan.bounds, plan.bounds[1:]):
+        o, l = _math_forward(q[a:b], k[a:b], v[a:b], scale, True)
+        out[a:b], lse[:, a:b] = o, l
+
+
+def _math_cross_forward(q, k, v, scale):
+    return _math_forward(q, k, v, scale, False)
+
+
+def _math_own_backward(dout, q, k, v, out, lse, plan, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for a, b in zip(plan.bounds, plan.bounds[1:]):
+        dq[a:b], dk[a:b], dv[a:b] = _math_backward(dout[a:b], q[a:b], k[a:b], v[a:b],
+                                                   out[a:b], lse[:, a:b], scale, True)
+    return dq, dk, dv
+
+
+def _math_cross_backward(dout, q, k, v, out, lse, scale):
+    return _math_backward(dout, q, k, v, out, lse, scale, False)
+
+
+_FA4 = (_fa4_own_forward, _fa4_cross_forward, _fa4_own_backward, _fa4_cross_backward)
+_MATH = (_math_own_forward, _math_cross_forward, _math_own_backward, _math_cross_backward)
+
+
+def _kernels(q: Tensor):
+    return _FA4 if q.is_cuda else _MATH
+
+
+# ---- the merge: a response row's two partial softmaxes, in place ------------------------------
+
+def _merge_into_eager(out: Tensor, lse: Tensor, out_x: Tensor, lse_x: Tensor) -> None:
+    """out [L, H, D] and lse [H, L] (views into the results) become the softmax over both
+    regions: out_x/lse_x are the cross call's."""
+    merged = torch.logaddexp(lse, lse_x)
+    w_own, w_x = (lse - merged).exp().T[..., None], (lse_x - merged).exp().T[..., None]
+    out.copy_((_wide(out) * w_own + _wide(out_x) * w_x).to(out.dtype))
+    lse.copy_(merged)
+
+
+def _merge_into(out, lse, out_x, lse_x) -> None:
+    """One Triton kernel on CUDA (lse_merge_kernel.py; head dims of FA4 always qualify), the
+    eager reference elsewhere."""
+    from . import lse_merge_kernel
+
+    if lse_merge_kernel.supports(out, lse, out_x, lse_x):
+        return lse_merge_kernel.merge_into(out, lse, out_x, lse_x)
+    return _merge_into_eager(out, lse, out_x, lse_x)
+
+
+# ---- forward and backward over the plan ---------------------------------------------------------
+
+def _token_major(x: Tensor) -> Tensor:
+    """[1, H, T, D] -> [T, H, D], contiguous (a view when it already is token-major)."""
+    return x[0].transpose(0, 1).contiguous()
+
+
+def _head_major(x: Tensor) -> Tensor:
+    """[T, H, D] -> the [1, H, T, D] view of it."""
+    return x.transpose(0, 1)[None]
+
+
+def flash_regions_forward(q, k, v, plan: Plan, scale: float):
+    """Token-major q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], lse [Hq, T] float32)."""
+    own, cross, _, _ = _kernels(q)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q), device=q.device)
+    own(q, k, v, plan, scale, out, lse)
+    for rs, re, ps, pe in plan.cross:
+        out_x, lse_x = cross(q[rs:re], k[ps:pe], v[ps:pe], scale)
+        _merge_into(out[rs:re], lse[:, rs:re], out_x, lse_x)
+    return out, lse
+
+
+def flash_regions_backward(dout, q, k, v, out, lse, plan: Plan, scale: float):
+    """-> (dq, dk, dv), token-major like the inputs."""
+    _, _, own, cross = _kernels(q)
+    dq, dk, dv = own(dout, q, k, v, out, lse, plan, scale)
+    for rs, re, ps, pe in plan.cross:
+        gq, gk, gv = cross(dout[rs:re], q[rs:re], k[ps:pe], v[ps:pe], out[rs:re],
+                           lse[:, rs:re], scale)
+        dq[rs:re] += gq
+        dk[ps:pe] += gk
+        dv[ps:pe] += gv
+    return dq, dk, dv
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    from .attention_backend import flash_status
+
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} differ")
+    if q.is_cuda:
+        ok, reason = flash_status(q.device, q.shape[-1], q.dtype)
+        if not ok:
+            raise ValueError(f"attention_backend='flash_regions' cannot run: {reason}")
+
+
+# ---- the opaque op pair a compiled graph calls (optimize(attention_backend="flash_regions")) --
+
+def _plan(segment_ids, prefix_segment_ids) -> Plan:
+    from .regions import plan_of_tables
+
+    return plan_of_tables(segment_ids, prefix_segment_ids, plan_of_segments)
+
+
+@torch.library.custom_op("dualkv::flash_regions_attention", mutates_args=())
+def flash_regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
+                               prefix_segment_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    _check(q, k, v)
+    out, lse = flash_regions_forward(_token_major(q), _token_major(k), _token_major(v),
+                                     _plan(segment_ids, prefix_segment_ids), scale)
+    return _head_major(out), lse[None]
+
+
+def _like_head_major(x: Tensor) -> Tensor:
+    return _head_major(x.new_empty(x.shape[2], x.shape[1], x.shape[3]))
+
+
+@flash_regions_attention_op.register_fake
+def _(q, k, v, segment_ids, prefix_segment_ids, scale):
+    return _like_head_major(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("dualkv::flash_regions_attention_backward", mutates_args=())
+def flash_regions_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                                        out: Tensor, lse: Tensor, segment_ids: Tensor,
+                                        prefix_segment_ids: Tensor,
+                                        scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    grads = flash_regions_backward(
+        _token_major(dout), _token_major(q), _token_major(k), _token_major(v),
+        _token_major(out), lse[0], _plan(segment_ids, prefix_segment_ids), scale)
+    return tuple(_head_major(g) for g in grads)
+
+
+@flash_regions_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale):
+    return _like_head_major(q), _like_head_major(k), _like_head_major(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, segment_ids, prefix_segment_ids, scale = inputs
+    ctx.save_for_backward(q, k, v, segment_ids, prefix_segment_ids, *output)
+    ctx.mark_non_differentiable(output[1])  # lse is for the backward only
+    ctx.scale = scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, segment_ids, prefix_segment_ids, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.dualkv.flash_regions_attention_backward(
+        dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+flash_regions_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
