@@ -25,6 +25,7 @@ from .kernel_options import kernel_options_for
 from .packing import PackedBatch
 from .recompiles import bounded_recompiles
 from .reference import reference_shared_prefix_attention
+from .flash_regions import flash_regions_attention_op
 from .regions import two_region_attention
 from .stats import counters, log_once
 
@@ -139,8 +140,6 @@ def shared_prefix_attention(
         raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
                          f"attention_backend={attention_backend!r} does not use it")
     if attention_backend == "flash_regions":
-        from .flash_regions import flash_regions_attention_op
-
         seg, pre = (x[0].to(q.device) for x in (packed.segment_ids, packed.prefix_segment_ids))
         return flash_regions_attention_op(q, k, v, seg, pre,
                                           q.shape[-1] ** -0.5 if scale is None else scale)[0]

@@ -27,6 +27,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import lse_merge_kernel, regions
+from .attention_backend import flash_status
+from .regions import plan_of_tables, register_autograd
+
 __all__ = ["flash_regions_attention_op", "plan_of_segments"]
 
 
@@ -62,7 +66,7 @@ def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> Plan:
         else:
             cross.append((s, e, *prompt[1:]))
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    cu = torch.tensor(bounds, dtype=torch.int32).to(segment_ids.device, non_blocking=True)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=segment_ids.device)
     return Plan(bounds, cu, max(lengths), tuple(cross))
 
 
@@ -100,48 +104,18 @@ def _fa4_cross_backward(dout, q, k, v, out, lse, scale):
     return tuple(g[0] for g in grads)
 
 
-def _wide(x: Tensor) -> Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _math_scores(q, k, scale, causal):
-    """[Hq, L, S] scores in the wide dtype; k's heads repeated for grouped-query attention."""
-    rep = q.shape[1] // k.shape[1]
-    s = torch.einsum("lhd,shd->hls", _wide(q), _wide(k).repeat_interleave(rep, 1)) * scale
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return s, rep
-
+# CPU: regions.py's explicit math (head-major [1, H, L, D]) on the token-major tensors
 
 def _math_forward(q, k, v, scale, causal):
-    s, rep = _math_scores(q, k, scale, causal)
-    lse = s.logsumexp(-1)
-    p = (s - lse[..., None]).exp()
-    out = torch.einsum("hls,shd->lhd", p, _wide(v).repeat_interleave(rep, 1))
-    return out.to(q.dtype), lse.float() if q.dtype != torch.float64 else lse
+    out, lse, _ = regions._math_forward(_head_major(q), _head_major(k), _head_major(v), causal,
+                                        scale)
+    return _token_major(out), lse[0]
 
 
 def _math_backward(dout, q, k, v, out, lse, scale, causal):
-    """The region's share of the gradients of rows whose softmax (`out`, `lse`) may span
-    another region too. The row term rowsum(dO * out) is split into this region's
-    sum(P * dP) and the rest of the row, dO * (out - this region's part of out), which is
-    exactly 0 for a row that sees this region only (so dq is exactly 0 for a row that sees one
-    key, as in the replicated reference)."""
-    s, rep = _math_scores(q, k, scale, causal)
-    p = (s - _wide(lse)[..., None]).exp()
-    do, vr = _wide(dout), _wide(v).repeat_interleave(rep, 1)
-    dp = torch.einsum("lhd,shd->hls", do, vr)
-    rest = (do * (_wide(out) - torch.einsum("hls,shd->lhd", p, vr))).sum(-1).T
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True) - rest[..., None])
-    dq = torch.einsum("hls,shd->lhd", ds, _wide(k).repeat_interleave(rep, 1)) * scale
-    dk = torch.einsum("hls,lhd->shd", ds, _wide(q)) * scale
-    dv = torch.einsum("hls,lhd->shd", p, do)
-
-    def per_kv_head(x):  # [S, Hq, D] -> [S, Hkv, D], summing each group of query heads
-        return x.unflatten(1, (k.shape[1], rep)).sum(2)
-
-    return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+    grads = regions._math_backward(*(_head_major(x) for x in (dout, q, k, v, out)), lse[None],
+                                   causal, scale, None)
+    return tuple(_token_major(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 def _math_own_forward(q, k, v, plan, scale, out, lse):
@@ -181,15 +155,13 @@ def _merge_into_eager(out: Tensor, lse: Tensor, out_x: Tensor, lse_x: Tensor) ->
     regions: out_x/lse_x are the cross call's."""
     merged = torch.logaddexp(lse, lse_x)
     w_own, w_x = (lse - merged).exp().T[..., None], (lse_x - merged).exp().T[..., None]
-    out.copy_((_wide(out) * w_own + _wide(out_x) * w_x).to(out.dtype))
+    out.copy_((regions._wide(out) * w_own + regions._wide(out_x) * w_x).to(out.dtype))
     lse.copy_(merged)
 
 
 def _merge_into(out, lse, out_x, lse_x) -> None:
     """One Triton kernel on CUDA (lse_merge_kernel.py; head dims of FA4 always qualify), the
     eager reference elsewhere."""
-    from . import lse_merge_kernel
-
     if lse_merge_kernel.supports(out, lse, out_x, lse_x):
         return lse_merge_kernel.merge_into(out, lse, out_x, lse_x)
     return _merge_into_eager(out, lse, out_x, lse_x)
@@ -237,8 +209,6 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
-    from .attention_backend import flash_status
-
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} differ")
     if q.is_cuda:
@@ -250,8 +220,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 # ---- the opaque op pair a compiled graph calls (optimize(attention_backend="flash_regions")) --
 
 def _plan(segment_ids, prefix_segment_ids) -> Plan:
-    from .regions import plan_of_tables
-
     return plan_of_tables(segment_ids, prefix_segment_ids, plan_of_segments)
 
 
@@ -289,19 +257,5 @@ def _(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale):
     return _like_head_major(q), _like_head_major(k), _like_head_major(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, segment_ids, prefix_segment_ids, scale = inputs
-    ctx.save_for_backward(q, k, v, segment_ids, prefix_segment_ids, *output)
-    ctx.mark_non_differentiable(output[1])  # lse is for the backward only
-    ctx.scale = scale
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, segment_ids, prefix_segment_ids, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.dualkv.flash_regions_attention_backward(
-        dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, ctx.scale)
-    return dq, dk, dv, None, None, None
-
-
-flash_regions_attention_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(flash_regions_attention_op, flash_regions_attention_backward_op)
 

@@ -132,11 +132,18 @@ def _math_forward(q, k, v, causal, scale):
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    """This region's share of the gradients of rows whose softmax (`out`, `lse`) may span the
+    other region too. The row term rowsum(dO * out) is split into this region's sum(P * dP)
+    and the rest of the row, dO * (out - this region's part of out), which is exactly 0 for a
+    row that sees this region only (so a row that sees one key gets dq = 0 exactly, as the
+    replicated reference does)."""
     s, rep = _math_scores(q, k, causal, scale)
     p = (s - _wide(lse).unsqueeze(-1)).exp()
     do, qf = _wide(dout), _wide(q)
     vf = _wide(v).repeat_interleave(rep, 1)
-    ds = p * (do @ vf.transpose(-1, -2) - (do * _wide(out)).sum(-1, keepdim=True))
+    dp = do @ vf.transpose(-1, -2)
+    rest = (do * (_wide(out) - p @ vf)).sum(-1, keepdim=True)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True) - rest)
     dq = ds @ _wide(k).repeat_interleave(rep, 1) * scale
 
     def per_kv_head(x):  # [B, Hq, L, D] -> [B, Hkv, L, D], summing the GQA group
@@ -436,18 +443,23 @@ def _(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale):
     return _new(q), _new(k), _new(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, segment_ids, prefix_segment_ids, scale = inputs
-    ctx.save_for_backward(q, k, v, segment_ids, prefix_segment_ids, *output)
-    ctx.mark_non_differentiable(output[1])  # lse is for the backward only
-    ctx.scale = scale
+def register_autograd(forward_op, backward_op) -> None:
+    """forward_op(q, k, v, segment_ids, prefix_segment_ids, scale) -> (out, lse) gets the
+    gradient backward_op(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale) ->
+    (dq, dk, dv); lse is for the backward only."""
+    def setup_context(ctx, inputs, output):
+        q, k, v, segment_ids, prefix_segment_ids, scale = inputs
+        ctx.save_for_backward(q, k, v, segment_ids, prefix_segment_ids, *output)
+        ctx.mark_non_differentiable(output[1])
+        ctx.scale = scale
+
+    def backward(ctx, dout, dlse):
+        q, k, v, segment_ids, prefix_segment_ids, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids,
+                                 ctx.scale)
+        return dq, dk, dv, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, segment_ids, prefix_segment_ids, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.dualkv.regions_attention_backward(
-        dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, ctx.scale)
-    return dq, dk, dv, None, None, None
-
-
-regions_attention_op.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(regions_attention_op, regions_attention_backward_op)

@@ -192,23 +192,25 @@ def test_regions_plan_from_segment_tables_equals_the_packed_plan(layout, pad_sid
     assert _spans(from_tables) == _spans(plan_of_packed(pb, torch.device("cpu")))
 
 
-def test_regions_custom_op_matches_replicated_fp64():
-    """torch.ops.dualkv.regions_attention (the op optimize() puts in compiled graphs), called
-    eagerly: out and gradients against the replicated rows."""
+@pytest.mark.parametrize("op", ["regions_attention", "flash_regions_attention"])
+def test_regions_custom_ops_match_replicated_fp64(op):
+    """The opaque ops optimize() puts in compiled graphs for attention_backend "regions" and
+    "flash_regions", called eagerly: out and gradients against the replicated rows."""
     g = torch.Generator().manual_seed(21)
     tokens, mask, p = make_batch([9, 30], [[4, 0, 17], [1, 25]], shuffle=True, generator=g)
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
     q, k, v, cot = random_qkv(pb, 6, 3, 8, dtype=torch.float64, device="cpu", generator=g)
     seg, pre = pb.segment_ids[0], pb.prefix_segment_ids[0]
+    overload = getattr(torch.ops.dualkv, op)
 
-    def op(q, k, v, packed):
-        return torch.ops.dualkv.regions_attention(q, k, v, seg, pre, 8 ** -0.5)[0]
+    def call(q, k, v, packed):
+        return overload(q, k, v, seg, pre, 8 ** -0.5)[0]
 
-    ours = packed_forward_backward(op, q, k, v, pb, cot)
+    ours = packed_forward_backward(call, q, k, v, pb, cot)
     ref = replicated_forward_backward(q, k, v, pb, mask, cot)
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
-    torch.library.opcheck(torch.ops.dualkv.regions_attention.default,
+    torch.library.opcheck(overload.default,
                           (q.detach().requires_grad_(), k.detach().requires_grad_(),
                            v.detach().requires_grad_(), seg, pre, 0.5))
 
@@ -280,36 +282,21 @@ def test_token_major_strided_inputs(backend):
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
 
 
-def test_flash_regions_plan_and_custom_op_match_replicated_fp64():
-    """torch.ops.dualkv.flash_regions_attention (what optimize(attention_backend=
-    "flash_regions") puts in compiled graphs) on three groups with ragged and empty responses:
-    its plan has one cross call per group with responses, and out and gradients match the
-    replicated rows."""
+def test_flash_regions_plan_has_one_cross_call_per_group_with_responses():
     from dualkv_compile.flash_regions import plan_of_segments
 
     g = torch.Generator().manual_seed(23)
     tokens, mask, p = make_batch([9, 30, 4], [[4, 0, 17], [1, 25], [0, 0]], shuffle=True,
                                  generator=g)
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
-    seg, pre = pb.segment_ids[0], pb.prefix_segment_ids[0]
-    plan = plan_of_segments(seg, pre)
+    plan = plan_of_segments(pb.segment_ids[0], pb.prefix_segment_ids[0])
     cross = [(spans[0][0], spans[-1][1], ps, pe)
              for ps, pe, spans in pb.group_spans if any(e > s for s, e in spans)]
     assert plan.cross == tuple(cross) and len(cross) == 2
-    assert plan.bounds[0] == 0 and plan.bounds[-1] == pb.seq_len
-    assert plan.cu.tolist() == list(plan.bounds)
-    q, k, v, cot = random_qkv(pb, 6, 3, 8, dtype=torch.float64, device="cpu", generator=g)
-
-    def op(q, k, v, packed):
-        return torch.ops.dualkv.flash_regions_attention(q, k, v, seg, pre, 8 ** -0.5)[0]
-
-    ours = packed_forward_backward(op, q, k, v, pb, cot)
-    ref = replicated_forward_backward(q, k, v, pb, mask, cot)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
-    torch.library.opcheck(torch.ops.dualkv.flash_regions_attention.default,
-                          (q.detach().requires_grad_(), k.detach().requires_grad_(),
-                           v.detach().requires_grad_(), seg, pre, 0.5))
+    segments = [b for ps, pe, spans in pb.group_spans for b in [ps] + [s for s, e in spans if e > s]]
+    assert plan.bounds == tuple(segments) + (pb.padding_span[0], pb.seq_len)
+    assert plan.cu.tolist() == list(plan.bounds) and plan.max_len == max(
+        b - a for a, b in zip(plan.bounds, plan.bounds[1:]))
 
 
 def test_flash_regions_plan_refuses_a_misplaced_response():
