@@ -47,7 +47,8 @@ def fresh_counters():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backend):
     """"auto" on CPU: the flex higher-order op's dense math; "regions": the opaque regions op
-    (regions.py) with PyTorch's CPU flash kernel, partitioned by AOTAutograd."""
+    (regions.py) with PyTorch's CPU flash kernel, partitioned by AOTAutograd; "flash_regions":
+    its op (flash_regions.py) with the explicit math that stands in for FA4 on CPU."""
     model = same_dtype_numerics(tiny_model(family)).double()
     tokens, mask, p = batch()
     wrapper = dk.optimize(model, dk.DualKVConfig(attention_backend=attention_backend))
