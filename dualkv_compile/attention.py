@@ -21,12 +21,12 @@ from torch import Tensor
 from .attention_backend import resolve_attention_backend
 from .block_mask import shared_prefix_block_mask
 from .flash_causal import block_aligned, flash_causal_attention
+from .flash_regions import flash_regions_attention_op
 from .kernel_options import kernel_options_for
 from .packing import PackedBatch
 from .recompiles import bounded_recompiles
 from .reference import reference_shared_prefix_attention
-from .flash_regions import flash_regions_attention_op
-from .regions import two_region_attention
+from .regions import regions_attention_op, two_region_attention
 from .stats import counters, log_once
 
 __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
@@ -113,6 +113,16 @@ def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
     return reason is None
 
 
+def _segment_tables(packed: PackedBatch, device) -> tuple[Tensor, Tensor]:
+    """The 1-D segment tables on `device`; eagerly one pair of objects per batch (cached on
+    it), so that the regions ops read their plan once per batch, not once per call."""
+    def build():
+        return tuple(x[0].to(device) for x in (packed.segment_ids, packed.prefix_segment_ids))
+
+    return build() if torch.compiler.is_compiling() else packed.cached(("segment_tables", device),
+                                                                        build)
+
+
 def shared_prefix_attention(
     q: Tensor,
     k: Tensor,
@@ -139,18 +149,12 @@ def shared_prefix_attention(
     if attention_backend in ("regions", "flash_regions") and kernel_options:
         raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
                          f"attention_backend={attention_backend!r} does not use it")
-    if attention_backend == "flash_regions":
-        seg, pre = (x[0].to(q.device) for x in (packed.segment_ids, packed.prefix_segment_ids))
-        return flash_regions_attention_op(q, k, v, seg, pre,
-                                          q.shape[-1] ** -0.5 if scale is None else scale)[0]
-    if attention_backend == "regions":
-        if torch.compiler.is_compiling():  # inside a user's torch.compile: the opaque op
-            from .regions import regions_attention_op
-
-            seg, pre = (x[0].to(q.device) for x in (packed.segment_ids, packed.prefix_segment_ids))
-            return regions_attention_op(q, k, v, seg, pre,
-                                        q.shape[-1] ** -0.5 if scale is None else scale)[0]
-        return two_region_attention(q, k, v, packed, scale=scale)
+    if attention_backend == "regions" and not torch.compiler.is_compiling():
+        return two_region_attention(q, k, v, packed, scale=scale)  # the batch's own plan
+    if attention_backend in ("regions", "flash_regions"):  # the opaque ops
+        op = regions_attention_op if attention_backend == "regions" else flash_regions_attention_op
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return op(q, k, v, *_segment_tables(packed, q.device), scale)[0]
     if q.device.type == "cuda":
         if _causal_form(q, k, packed, kernel_options, attention_backend):
             counters["flash_causal_calls"] += 1

@@ -42,32 +42,14 @@ class Plan(NamedTuple):
 
 
 def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> Plan:
-    """The plan from the layout's 1-D segment tables: runs of equal segment id are segments; a
-    run whose prefix segment is itself is a prompt (or the padding), any other a response of
-    the prompt it names, which must be the last prompt before it. One host synchronisation."""
-    t = segment_ids.shape[0]
-    starts = torch.ones(t, dtype=torch.bool, device=segment_ids.device)
-    starts[1:] = segment_ids[1:] != segment_ids[:-1]
-    idx = starts.nonzero().flatten()
-    first, seg, pre = torch.stack([idx, segment_ids[idx].long(),
-                                   prefix_segment_ids[idx].long()]).tolist()
-    bounds = tuple(first) + (t,)
-    cross, prompt = [], None  # prompt: (id, start, end) of the last prompt seen
-    for i, (sid, pid) in enumerate(zip(seg, pre)):
-        s, e = bounds[i], bounds[i + 1]
-        if sid == pid:
-            prompt = (sid, s, e)
-        elif prompt is None or pid != prompt[0]:
-            raise ValueError(f"segment tables: the response at tokens [{s}, {e}) names prompt "
-                             f"segment {pid}, which is not the prompt before it; tables from "
-                             f"dualkv_compile.pack() always put it there")
-        elif cross and cross[-1][2:] == prompt[1:]:
-            cross[-1] = (cross[-1][0], e, *prompt[1:])  # the group's run grows
-        else:
-            cross.append((s, e, *prompt[1:]))
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    """The plan of the layout's 1-D segment tables (regions.groups_of_segments: one host
+    synchronisation)."""
+    groups = regions.groups_of_segments(segment_ids, prefix_segment_ids)
+    bounds = tuple(b for prompt, spans in groups for b in [prompt[0]] + [s for s, _ in spans])
+    bounds += (segment_ids.shape[0],)
+    cross = tuple((spans[0][0], spans[-1][1], *prompt) for prompt, spans in groups if spans)
     cu = torch.tensor(bounds, dtype=torch.int32, device=segment_ids.device)
-    return Plan(bounds, cu, max(lengths), tuple(cross))
+    return Plan(bounds, cu, max(b - a for a, b in zip(bounds, bounds[1:])), cross)
 
 
 # ---- the kernels: token-major q [L, Hq, D], k/v [S, Hkv, D]; lse [Hq, L] float32 ------------

@@ -240,11 +240,11 @@ def plan_of_packed(packed: PackedBatch, device: torch.device) -> list:
     return packed._cache[key]
 
 
-def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
-    """The plan from the layout's 1-D segment tables (what a compiled graph has): runs of equal
-    segment id; a run whose prefix segment is itself is a prompt (or the padding), any other a
-    response of the group whose prompt it names. Reads the run boundaries to the host: one
-    device synchronisation."""
+def groups_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
+    """[(prompt (start, end), [(response start, end), ...])] in token order, from the layout's
+    1-D segment tables (what a compiled graph has): runs of equal segment id; a run whose prefix
+    segment is itself is a prompt (or the padding), any other a response of the group whose
+    prompt it names. Reads the run boundaries to the host: one device synchronisation."""
     t = segment_ids.shape[0]
     starts = torch.ones(t, dtype=torch.bool, device=segment_ids.device)
     starts[1:] = segment_ids[1:] != segment_ids[:-1]
@@ -263,7 +263,12 @@ def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
                                  f"prompt segment {pid}, which is not the prompt before it; "
                                  f"tables from dualkv_compile.pack() always put it there")
             groups[-1][1].append((s, e))
-    return _plan(groups, segment_ids.device)
+    return groups
+
+
+def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
+    """The plan of the layout's 1-D segment tables (groups_of_segments)."""
+    return _plan(groups_of_segments(segment_ids, prefix_segment_ids), segment_ids.device)
 
 
 def _sl(x: Tensor, span: tuple[int, int]) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -48,10 +49,11 @@ def pass_uuid(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def regions_ops() -> set:
+@functools.cache
+def regions_ops() -> frozenset:
     """The opaque attention ops the rewrite may insert instead of flex: the regions op
     (regions.py) and the flash-regions op (flash_regions.py)."""
     from dualkv_compile.flash_regions import flash_regions_attention_op
     from dualkv_compile.regions import regions_attention_op
 
-    return {regions_attention_op._opoverload, flash_regions_attention_op._opoverload}
+    return frozenset({regions_attention_op._opoverload, flash_regions_attention_op._opoverload})

@@ -18,7 +18,7 @@ def test_gradient_matches_index_select():
     x = torch.randn(10, 6, dtype=torch.float64, generator=g, requires_grad=True)
     cot = torch.randn(9, 6, dtype=torch.float64, generator=g)
     out = gather_rows(x, src, shared)
-    assert torch.equal(out, x.index_select(0, src))
+    assert torch.equal(out, torch.stack([x[i] for i in src.tolist()]))
     (ours,) = torch.autograd.grad((out * cot).sum(), x)
     (ref,) = torch.autograd.grad((x.index_select(0, src) * cot).sum(), x)
     assert rel_err(ours, ref) < 1e-15
