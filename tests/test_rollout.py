@@ -8,7 +8,7 @@ from torchtune.generation import generate
 from torchtune.modules.common_utils import local_kv_cache
 
 from dualkv_compile.models import qwen3
-from dualkv_compile.rl.rollout import generate_groups, plan_calls
+from dualkv_compile.rollout import generate_groups, plan_calls
 
 PAD, EOS = 0, 1
 

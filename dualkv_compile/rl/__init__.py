@@ -5,7 +5,7 @@ from .flops import forward_flops, peak_bf16_tflops, policy_update_flops
 from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
 from .math_task import MathJSONLTask, final_number
-from .rollout import generate_groups, plan_calls
+from ..rollout import generate_groups, plan_calls
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
 

@@ -1,0 +1,233 @@
+"""RolloutEngine: sample N responses per prompt with the prompt's K/V stored and read once.
+
+    engine = RolloutEngine(model)                 # torchtune decoder or transformers causal LM
+    responses = engine.generate(prompts, samples=16, max_generated_tokens=1024, pad_id=0,
+                                temperature=1.0, top_p=0.95, stop_token=eos, rng=generator)
+
+prompts [G, P] (left-padded with pad_id) -> responses [G * samples, T], rows group-major. Per
+call: the prompts are prefilled once (padding stripped), the first tokens sampled from their
+last logits, then T - 1 decode steps run in chunks of `steps_per_graph`; on CUDA each chunk is
+one CUDA graph of the compiled step, and the stop token is checked once per chunk (the only
+host sync). A row's tokens after its stop token are pad_id.
+
+Compiles: one per (rows, groups, prompt capacity bucket, T, dtype, sampling settings); graphs
+are captured per chunk length and generator, and again when the weights move to new storage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..recompiles import bounded_recompiles
+from ..stats import counters, log_once
+from .attention import IMPLEMENTATIONS
+from .cache import RolloutCache, prompt_bucket
+from .forward import decoder_for
+from .graphs import StepGraph, warm_up, weights_fingerprint
+from .sampling import SamplingParams, draw_noise, sample
+from .step import make_decode_step, prefill
+from .weights import gathered_weights
+
+__all__ = ["RolloutEngine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Workspace:
+    key: tuple
+    cache: RolloutCache
+    step_fn: object
+    graphs: dict = field(default_factory=dict)  # (steps, id(generator)) -> (StepGraph, generator)
+    fingerprint: tuple = ()
+    pool: object = None
+    use_graphs: bool = False
+
+
+class RolloutEngine:
+    """Shared-prompt decoding for one model (see the module docstring).
+
+    attention: "auto" (flex on CUDA, math elsewhere), "flex" or "math".
+    compile: torch.compile the decode step (default: on CUDA).
+    cuda_graphs: replay `steps_per_graph` compiled steps as one CUDA graph (default: on CUDA
+        when compiling).
+    share_prompt: False replicates the prompt K/V per row (the conventional decoder, for
+        baselines); the tokens are the same.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, attention: str = "auto",
+                 compile: bool | None = None, cuda_graphs: bool | None = None,
+                 steps_per_graph: int = 16, share_prompt: bool = True):
+        if attention not in ("auto", *IMPLEMENTATIONS):
+            raise ValueError(f"attention={attention!r} is not one of {('auto', *IMPLEMENTATIONS)}")
+        if steps_per_graph < 1:
+            raise ValueError(f"steps_per_graph={steps_per_graph} must be at least 1")
+        self.model = model
+        self.decoder = decoder_for(model)
+        self.attention, self.compile, self.cuda_graphs = attention, compile, cuda_graphs
+        self.steps_per_graph = steps_per_graph
+        self.share_prompt = share_prompt
+        self.stats = Counter()  # calls, decode_steps, compiles, captures, graph_fallbacks
+        self._steps: dict[tuple, object] = {}  # compiled decode steps, per key
+        self._workspace: _Workspace | None = None  # the last shape's buffers (one held)
+
+    # ---- public ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Tensor, *, samples: int, max_generated_tokens: int, pad_id: int,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 stop_token: int | None = None, rng: torch.Generator | None = None,
+                 dtype: torch.dtype | None = None) -> Tensor:
+        sampling = SamplingParams(temperature, top_k, top_p)
+        compact, plen, pmax = self._check(prompts, samples, max_generated_tokens, pad_id,
+                                          stop_token, rng)
+        device = prompts.device
+        on_cuda = device.type == "cuda"
+        implementation = self.attention if self.attention != "auto" else (
+            "flex" if on_cuda else "math")
+        groups, t = prompts.shape[0], max_generated_tokens
+        rows = groups * samples
+        capacity = prompt_bucket(pmax)
+        compact = torch.nn.functional.pad(compact[:, :capacity], (0, capacity - min(
+            capacity, compact.shape[1])), value=pad_id)
+        dtype = dtype or next(self.model.parameters()).dtype
+        key = (rows, groups if self.share_prompt else rows, capacity, t, dtype, sampling,
+               pad_id, stop_token, implementation, device)
+        with gathered_weights(self.model):
+            ws = self._workspace_for(key, on_cuda)
+            c = ws.cache
+            self.stats["calls"] += 1
+            copies = 1 if self.share_prompt else samples
+            logits = prefill(self.decoder, compact, plen, c.prompt_k, c.prompt_v, copies)
+            c.prompt_len.copy_(plen if self.share_prompt else plen.repeat_interleave(samples))
+            c.row_position0.copy_(plen.repeat_interleave(samples))
+            c.step.zero_()
+            c.done.zero_()
+            c.out.fill_(pad_id)
+            draw_noise(c.noise, rng)
+            first = sample(logits.repeat_interleave(samples, 0), c.noise, sampling)
+            c.tokens.copy_(first)
+            c.out[:, 0] = first
+            if stop_token is not None:
+                c.done.copy_(first == stop_token)
+            self._decode(ws, t - 1, stop_token is not None, rng)
+            return c.out.clone()
+
+    def kv_bytes(self) -> int:
+        """Bytes of K/V held by the last call's cache (0 before the first)."""
+        return self._workspace.cache.kv_bytes() if self._workspace else 0
+
+    # ---- checks ------------------------------------------------------------------------------
+    def _check(self, prompts, samples, t, pad_id, stop_token, rng):
+        if prompts.dim() != 2 or prompts.shape[0] < 1 or prompts.dtype not in (
+                torch.long, torch.int32):
+            raise ValueError(f"prompts {tuple(prompts.shape)} ({prompts.dtype}) must be [G, P] "
+                             "integer token ids, G >= 1")
+        if samples < 1 or t < 1:
+            raise ValueError(f"samples={samples} and max_generated_tokens={t} must be at least 1")
+        if rng is not None and rng.device.type != prompts.device.type:
+            raise ValueError(f"rng is on {rng.device}, the prompts on {prompts.device}; pass a "
+                             f"generator of the prompts' device")
+        vocab = self.decoder.vocab_size
+        lo, hi = int(prompts.min()), int(prompts.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"prompts hold token id {lo if lo < 0 else hi}, outside the "
+                             f"model's vocabulary [0, {vocab})")
+        if stop_token is not None and not 0 <= stop_token < vocab:
+            raise ValueError(f"stop_token={stop_token} is outside the vocabulary [0, {vocab})")
+        valid = prompts != pad_id
+        plen = valid.sum(1)
+        empty = (plen == 0).nonzero()[:, 0].tolist()
+        if empty:
+            raise ValueError(f"prompts {empty} hold only pad_id={pad_id}")
+        pmax = int(plen.max())
+        if pmax + t > self.decoder.max_seq_len:
+            raise ValueError(f"a prompt of {pmax} tokens + max_generated_tokens={t} exceeds the "
+                             f"model's context of {self.decoder.max_seq_len}")
+        # valid tokens first, in order (a stable sort of the padding flags)
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+        return prompts.long().gather(1, order), plen, pmax
+
+    # ---- buffers, compiles, graphs -----------------------------------------------------------
+    def _workspace_for(self, key: tuple, on_cuda: bool) -> _Workspace:
+        ws = self._workspace
+        if ws is None or ws.key != key:
+            self._workspace = ws = None  # free the previous shape's buffers first
+            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device = key
+            dec = self.decoder
+            cache = RolloutCache.allocate(
+                layers=len(dec.layers), groups=groups, rows=rows, prompt_capacity=capacity,
+                response_capacity=t, kv_heads=dec.num_kv_heads, head_dim=dec.head_dim,
+                vocab=dec.vocab_size, dtype=dtype, device=device)
+            compiled = self.compile if self.compile is not None else on_cuda
+            ws = _Workspace(key, cache, self._step_fn(key, compiled))
+            ws.use_graphs = on_cuda and compiled and (self.cuda_graphs is not False)
+            if ws.use_graphs and t > 1:
+                warm_up(ws.step_fn, cache)
+                ws.pool = torch.cuda.graph_pool_handle()
+            self._workspace = ws
+        fingerprint = weights_fingerprint(self.model)
+        if fingerprint != ws.fingerprint:  # weights in new storage: graphs read the old
+            ws.graphs.clear()
+            ws.fingerprint = fingerprint
+        return ws
+
+    def _step_fn(self, key: tuple, compiled: bool):
+        if key not in self._steps:
+            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device = key
+            fn = make_decode_step(self.decoder, layers=len(self.decoder.layers),
+                                  sampling=sampling, pad_id=pad_id, stop_token=stop,
+                                  implementation=impl)
+            if compiled:
+                fn = _bounded(torch.compile(fn, fullgraph=True, dynamic=False))
+                self.stats["compiles"] += 1
+            self._steps[key] = fn
+        return self._steps[key]
+
+    def _decode(self, ws: _Workspace, steps: int, check_stop: bool, rng) -> None:
+        done = 0
+        while done < steps:
+            if check_stop and done and bool(ws.cache.done.all()):  # one sync per chunk
+                break
+            n = min(self.steps_per_graph, steps - done)
+            graph = self._graph(ws, n, rng) if ws.use_graphs else None
+            if graph is not None:
+                graph.replay()
+            else:
+                tensors = ws.cache.decode_tensors()
+                for _ in range(n):
+                    draw_noise(ws.cache.noise, rng)
+                    ws.step_fn(*tensors)
+            done += n
+            self.stats["decode_steps"] += n
+
+    def _graph(self, ws: _Workspace, steps: int, rng) -> StepGraph | None:
+        key = (steps, id(rng))
+        if key not in ws.graphs:
+            try:
+                graph = StepGraph(ws.step_fn, ws.cache.decode_tensors(), ws.cache.noise, steps,
+                                  rng, ws.pool)
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back, logged
+                ws.use_graphs = False
+                self.stats["graph_fallbacks"] += 1
+                counters["rollout_graph_fallbacks"] += 1
+                log_once(log, logging.WARNING, f"rollout: CUDA graph capture failed "
+                         f"({type(e).__name__}: {e}); decoding with the compiled step, "
+                         "launched eagerly")
+                return None
+            ws.graphs[key] = (graph, rng)  # the generator is kept so its id stays its own
+            self.stats["captures"] += 1
+        return ws.graphs[key][0]
+
+
+def _bounded(fn):
+    """A compiled step that raises instead of silently recompiling past a small limit."""
+    def call(*args):
+        with bounded_recompiles(4, "the rollout decode step",
+                                "Its shapes are fixed per engine key; this is a bug."):
+            return fn(*args)
+    return call

@@ -1,0 +1,178 @@
+"""The pieces of one decoder layer, read from a live model, for the rollout engine.
+
+The engine does not call the model's forward (that would bring its KV cache, its GQA expand and
+its mask handling); it runs the same modules in the same order: attention norm, q/k/v
+projections, QK-norm and RoPE in the family's order, attention (the engine's), output
+projection and residual, MLP norm, MLP and residual, final norm, LM head. Every weight is the
+model's own parameter, read at call time, so training updates are seen without a copy.
+
+Supported: torchtune `TransformerDecoder`s of `TransformerSelfAttentionLayer`s with
+`MultiHeadAttention` (qwen2, llama3 builders) or our `Qwen3Attention`; transformers'
+Qwen3, Qwen2 and Llama causal LMs. Anything else is refused by name in `decoder_for`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import Tensor, nn
+
+__all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
+
+SUPPORTED_FAMILIES = ("torchtune TransformerDecoder (MultiHeadAttention or dualkv_compile's "
+                      "Qwen3Attention)", "transformers Qwen3ForCausalLM", "Qwen2ForCausalLM",
+                      "LlamaForCausalLM")
+_HF_TYPES = ("qwen3", "qwen2", "llama")
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """A layer under torchtune/torch activation checkpointing is wrapped; its pieces are not."""
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+def _refuse(model: nn.Module, why: str) -> ValueError:
+    return ValueError(f"the rollout engine cannot run {type(model).__name__}: {why}. "
+                      f"Supported: {'; '.join(SUPPORTED_FAMILIES)}")
+
+
+class _TorchtuneDecoder:
+    """torchtune TransformerDecoder. MultiHeadAttention applies RoPE, then q/k norms (if any);
+    Qwen3Attention normalises first, then RoPE (models/qwen3.py)."""
+
+    def __init__(self, model):
+        from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
+
+        from ..models.qwen3 import Qwen3Attention
+
+        self.model = model
+        self.layers = [_unwrap(layer) for layer in model.layers]
+        for i, layer in enumerate(self.layers):
+            if type(layer) is not TransformerSelfAttentionLayer and not isinstance(
+                    layer, TransformerSelfAttentionLayer):
+                raise _refuse(model, f"layer {i} is a {type(layer).__name__}, not a "
+                                     "TransformerSelfAttentionLayer")
+            if not (isinstance(layer.sa_scale, nn.Identity) and isinstance(layer.mlp_scale,
+                                                                           nn.Identity)):
+                raise _refuse(model, f"layer {i} scales its residual branches (sa_scale/mlp_scale)")
+            attn = _unwrap(layer.attn)
+            if type(attn) not in (MultiHeadAttention, Qwen3Attention):
+                raise _refuse(model, f"layer {i}'s attention is a {type(attn).__name__}, whose "
+                                     "forward the engine does not know")
+            if not attn.is_causal or attn.pos_embeddings is None:
+                raise _refuse(model, f"layer {i}'s attention is not causal self-attention with RoPE")
+        first = _unwrap(self.layers[0].attn)
+        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
+        self.head_dim = first.head_dim
+        self.scale = self.head_dim ** -0.5  # torchtune's SDPA call passes no scale
+        self.norm_first = [type(_unwrap(layer.attn)) is Qwen3Attention for layer in self.layers]
+        self.max_seq_len = model.max_seq_len
+        self.vocab_size = model.tok_embeddings.num_embeddings
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.model.tok_embeddings(tokens)
+
+    def rope(self, x: Tensor, positions: Tensor):
+        return positions
+
+    def qkv(self, i: int, x: Tensor, positions) -> tuple[Tensor, Tensor, Tensor]:
+        """x [b, s, d] -> q [b, s, Hq, D], k and v [b, s, Hkv, D]."""
+        layer = self.layers[i]
+        attn = _unwrap(layer.attn)
+        h = layer.sa_norm(x)
+        b, s, _ = h.shape
+        q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.norm_first[i]:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = attn.pos_embeddings(q, input_pos=positions)
+        k = attn.pos_embeddings(k, input_pos=positions)
+        if not self.norm_first[i]:
+            q = attn.q_norm(q) if attn.q_norm is not None else q
+            k = attn.k_norm(k) if attn.k_norm is not None else k
+        return q, k, v
+
+    def finish(self, i: int, x: Tensor, attended: Tensor) -> Tensor:
+        """The residual stream after layer i, from its input x and the attention [b, s, Hq*D]."""
+        layer = self.layers[i]
+        h = x + _unwrap(layer.attn).output_proj(attended)
+        return h + layer.mlp(layer.mlp_norm(h))
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.model.output(self.model.norm(h)).float()
+
+
+class _HFDecoder:
+    """transformers Qwen3 / Qwen2 / Llama: q/k norms (Qwen3) before RoPE, cos/sin from the
+    model's rotary embedding, the modeling module's own apply_rotary_pos_emb."""
+
+    def __init__(self, model):
+        cfg = model.config
+        kind = getattr(cfg, "model_type", None)
+        if kind not in _HF_TYPES:
+            raise _refuse(model, f"model_type={kind!r} is not one of {list(_HF_TYPES)}")
+        if getattr(model, "lm_head", None) is None:
+            raise _refuse(model, "it has no LM head (load the *ForCausalLM class)")
+        kinds = set(getattr(cfg, "layer_types", None) or [])
+        window = getattr(cfg, "sliding_window", None)
+        if kinds - {"full_attention"} or (window and getattr(cfg, "use_sliding_window", True)):
+            raise _refuse(model, f"it uses sliding-window attention (layer_types={sorted(kinds)}, "
+                                 f"sliding_window={window})")
+        self.model, self.base = model, model.model
+        self.layers = [_unwrap(layer) for layer in self.base.layers]
+        attn = self.layers[0].self_attn
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scale = attn.scaling
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.max_seq_len = cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.base.embed_tokens(tokens)
+
+    def rope(self, x: Tensor, positions: Tensor):
+        return self.base.rotary_emb(x, positions)
+
+    def qkv(self, i: int, x: Tensor, cos_sin) -> tuple[Tensor, Tensor, Tensor]:
+        layer = self.layers[i]
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        b, s, _ = h.shape
+        q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = cos_sin
+        # apply_rotary_pos_emb takes [b, H, s, D] with cos/sin [b, s, D] (unsqueezed at dim 1)
+        q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v
+
+    def finish(self, i: int, x: Tensor, attended: Tensor) -> Tensor:
+        layer = self.layers[i]
+        h = x + layer.self_attn.o_proj(attended)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.model.lm_head(self.base.norm(h)).float()
+
+
+def decoder_for(model: nn.Module):
+    """The engine's view of `model`, or a ValueError naming the model and what is missing."""
+    try:
+        from torchtune.modules import TransformerDecoder
+    except ImportError:  # torchtune is a dependency; transformers models work without it
+        TransformerDecoder = ()
+    if TransformerDecoder and isinstance(model, TransformerDecoder):
+        return _TorchtuneDecoder(model)
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = ()
+    if PreTrainedModel and isinstance(model, PreTrainedModel):
+        return _HFDecoder(model)
+    raise _refuse(model, f"{type(model).__module__}.{type(model).__name__} is neither a torchtune "
+                         "TransformerDecoder nor a transformers causal LM")

@@ -1,0 +1,40 @@
+"""The one-call sampler and the split of a rollout batch into engine calls."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .engine import RolloutEngine
+
+__all__ = ["generate_groups", "plan_calls"]
+
+
+def generate_groups(model, prompts: Tensor, *, samples: int, max_generated_tokens: int,
+                    pad_id: int, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None, stop_token: int | None = None,
+                    rng: torch.Generator | None = None,
+                    dtype: torch.dtype | None = None) -> Tensor:
+    """prompts [G, P] (left-padded with pad_id) -> responses [G * samples, T]: `samples`
+    continuations of each prompt, rows in prompt order, T = max_generated_tokens, pad_id after
+    a row's stop token. A new RolloutEngine per call: hold one to reuse its compiled steps."""
+    return RolloutEngine(model).generate(
+        prompts, samples=samples, max_generated_tokens=max_generated_tokens, pad_id=pad_id,
+        temperature=temperature, top_k=top_k, top_p=top_p, stop_token=stop_token, rng=rng,
+        dtype=dtype)
+
+
+def plan_calls(num_groups: int, samples: int, rows_per_call: int | None) -> list[tuple[int, int, int]]:
+    """Split the sampling of `num_groups` groups x `samples` into generate calls of at most
+    `rows_per_call` decode rows (None: one call): (first group, groups, samples) each, whole
+    groups per call, or one group's samples over several equal-sized calls."""
+    if rows_per_call is None:
+        return [(0, num_groups, samples)]
+    if rows_per_call < 1:
+        raise ValueError(f"rows_per_call={rows_per_call} must be at least 1 (or None)")
+    if rows_per_call >= samples:
+        per = rows_per_call // samples
+        return [(g, min(per, num_groups - g), samples) for g in range(0, num_groups, per)]
+    splits = -(-samples // rows_per_call)
+    per = -(-samples // splits)
+    return [(g, 1, min(per, samples - s)) for g in range(num_groups) for s in range(0, samples, per)]

@@ -1,0 +1,60 @@
+"""Sampling without a host sync: temperature, top-k, top-p, then argmax(probs / q) with
+q ~ Exp(1) drawn from the caller's generator (the exponential trick, torchtune's `sample`).
+
+The ops up to top-k are torchtune's `generation.sample`, op for op, so that the engine draws
+the same tokens as torchtune's generate for the same generator. Top-p (nucleus) keeps the
+smallest set of most likely tokens whose probability reaches top_p, as vLLM and transformers
+do; the most likely token is always kept. No multinomial, nonzero or .item(): the step can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["SamplingParams", "draw_noise", "sample"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k} must be a positive integer or None")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] or None")
+
+
+def draw_noise(noise: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Fill noise [rows, vocab] (float32) with Exp(1) draws, in place."""
+    return noise.exponential_(1, generator=generator)
+
+
+def _top_p(logits: Tensor, top_p: float) -> Tensor:
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # drop a token when the tokens before it already reach top_p
+    drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: Tensor, noise: Tensor, params: SamplingParams) -> Tensor:
+    """logits [rows, vocab] (float32), noise [rows, vocab] ~ Exp(1) -> tokens [rows] (int64)."""
+    logits = logits / params.temperature
+    if params.top_k is not None:
+        v, _ = torch.topk(logits, min(params.top_k, logits.size(-1)))
+        pivot = v.select(-1, -1).unsqueeze(-1)
+        logits = torch.where(logits < pivot, -float("Inf"), logits)
+    if params.top_p is not None and params.top_p < 1:
+        logits = _top_p(logits, params.top_p)
+    probs = torch.nn.functional.softmax(logits, dim=-1)
+    return torch.argmax(probs / noise, dim=-1)

@@ -1,0 +1,193 @@
+"""The rollout engine on CPU in float64: its decode attention equals dense masked softmax, its
+tokens equal the no-cache reference sampler's for the same generator (several groups,
+left-padded prompts of different lengths, a stop token, N=1, top-k, top-p) on every model
+family optimize() accepts, and bad input is refused by name."""
+
+import pytest
+import torch
+
+from dualkv_compile.models import qwen3
+from dualkv_compile.rollout import (RolloutEngine, SamplingParams, decode_attention,
+                                    prompt_bucket, sample)
+from dualkv_compile.rollout.reference import reference_generate
+from dualkv_compile.testing import same_dtype_numerics, tiny_model
+
+PAD, EOS, VOCAB = 0, 1, 101
+FAMILIES = ["qwen3", "qwen2_5", "llama3_2", "hf_qwen3", "hf_llama"]
+
+
+def model_of(family, seed=0, vocab=VOCAB):
+    if family == "qwen3":
+        torch.manual_seed(seed)
+        model = qwen3(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+                      intermediate_dim=64, head_dim=8, max_seq_len=128)
+    else:
+        model = tiny_model(family, vocab=vocab, seed=seed, max_seq_len=128)
+    with torch.no_grad():  # torchtune's builders draw N(0, 1) embeddings: near-greedy samples
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return same_dtype_numerics(model.to(torch.float64).eval())
+
+
+def ragged_prompts(groups=3, width=9, seed=1, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(2, vocab, (groups, width), generator=g)
+    for i in range(1, groups):
+        prompts[i, :2 * i] = PAD  # lengths 9, 7, 5, ...: left-padded
+    return prompts
+
+
+def dense_reference(q, pk, pv, plen, rk, rv, last, scale):
+    """Each row against its group's valid prompt keys and its own keys 0..last, one softmax."""
+    rows, hq, d = q.shape
+    groups, hkv = pk.shape[:2]
+    n, rep = rows // groups, hq // hkv
+    out = torch.empty_like(q)
+    for r in range(rows):
+        g = r // n
+        k = torch.cat([pk[g, :, :plen[g]], rk[r, :, :last + 1]], 1).repeat_interleave(rep, 0)
+        v = torch.cat([pv[g, :, :plen[g]], rv[r, :, :last + 1]], 1).repeat_interleave(rep, 0)
+        w = torch.softmax((q[r, :, None] @ k.transpose(1, 2))[:, 0] * scale, -1)
+        out[r] = (w[:, None] @ v)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["math", "flex"])
+@pytest.mark.parametrize("groups,n,last", [(3, 4, 0), (3, 4, 6), (2, 1, 3), (1, 5, 9)])
+def test_decode_attention_equals_dense_softmax(implementation, groups, n, last):
+    g = torch.Generator().manual_seed(groups * 10 + n + last)
+    hq, hkv, d, p, r = 4, 2, 8, 11, 10
+    x = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, pk, pv = x(groups * n, hq, d), x(groups, hkv, p, d), x(groups, hkv, p, d)
+    rk, rv = x(groups * n, hkv, r, d), x(groups * n, hkv, r, d)
+    plen = torch.tensor([p, 1, 7][:groups])
+    got = decode_attention(q, pk, pv, plen, rk, rv, torch.tensor(last), scale=d ** -0.5,
+                           implementation=implementation)
+    want = dense_reference(q, pk, pv, plen, rk, rv, last, d ** -0.5)
+    assert (got - want).abs().max() < 1e-12
+
+
+def generate_both(model, prompts, **kw):
+    seed = kw.pop("seed", 5)
+    engine = RolloutEngine(model, steps_per_graph=kw.pop("steps_per_graph", 4),
+                           share_prompt=kw.pop("share_prompt", True))
+    ours = engine.generate(prompts, pad_id=PAD, rng=torch.Generator().manual_seed(seed), **kw)
+    theirs = reference_generate(model, prompts, pad_id=PAD,
+                                rng=torch.Generator().manual_seed(seed), **kw)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_samples_what_the_reference_samples(family):
+    ours, theirs = generate_both(model_of(family), ragged_prompts(), samples=3,
+                                 max_generated_tokens=11, stop_token=EOS, top_p=0.9)
+    assert ours.shape == (9, 11)
+    assert torch.equal(ours, theirs)
+    assert len({tuple(r) for r in ours.tolist()}) > 3  # samples of a prompt differ
+
+
+@pytest.mark.parametrize("kw", [dict(samples=1), dict(samples=4, top_k=5),
+                                dict(samples=2, top_k=7, top_p=0.5, temperature=0.7),
+                                dict(samples=3, share_prompt=False),
+                                dict(samples=3, steps_per_graph=1),
+                                dict(samples=3, steps_per_graph=50)])
+def test_engine_options_sample_what_the_reference_samples(kw):
+    ours, theirs = generate_both(model_of("qwen3", seed=2), ragged_prompts(), seed=9,
+                                 max_generated_tokens=9, **kw)
+    assert torch.equal(ours, theirs)
+
+
+def test_stop_token_pads_the_rest_and_ends_early():
+    # a vocabulary of 6: every row meets the stop token within a few steps
+    model, prompts = model_of("qwen3", seed=3, vocab=6), ragged_prompts(groups=2, vocab=6)
+    engine = RolloutEngine(model, steps_per_graph=4)
+    ours = engine.generate(prompts, samples=4, max_generated_tokens=40, pad_id=PAD,
+                           stop_token=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
+    theirs = reference_generate(model, prompts, samples=4, max_generated_tokens=40, pad_id=PAD,
+                                stop_token=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
+    assert torch.equal(ours, theirs)
+    assert (ours == EOS).any(1).all()
+    for row in ours:
+        at = int((row == EOS).nonzero()[0])
+        assert (row[at + 1:] == PAD).all()
+    # decoding ended at the first 4-step check after the last row stopped, not after 39 steps
+    last_stop = max(int((row == EOS).nonzero()[0]) for row in ours)
+    assert engine.stats["decode_steps"] == 4 * -(-last_stop // 4) < 39
+
+
+def test_weights_updated_in_place_are_seen():
+    model, prompts = model_of("qwen3", seed=4), ragged_prompts(groups=2)
+    engine = RolloutEngine(model)
+    run = lambda: engine.generate(prompts, samples=2, max_generated_tokens=6, pad_id=PAD,  # noqa: E731
+                                  rng=torch.Generator().manual_seed(0))
+    before = run()
+    with torch.no_grad():
+        model.layers[0].mlp.w1.weight.mul_(-3.0)
+    after = run()
+    fresh = reference_generate(model, prompts, samples=2, max_generated_tokens=6, pad_id=PAD,
+                               rng=torch.Generator().manual_seed(0))
+    assert torch.equal(after, fresh) and not torch.equal(before, after)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    hits = set()
+    for seed in range(200):
+        noise = torch.empty(1, 5).exponential_(1, generator=torch.Generator().manual_seed(seed))
+        hits.add(int(sample(logits, noise, SamplingParams(top_p=0.8))))
+    assert hits == {0, 1, 2}  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
+    noise = torch.ones(1, 5)
+    assert int(sample(logits, noise, SamplingParams(top_p=0.01))) == 0
+
+
+def test_prompt_buckets_waste_under_a_quarter():
+    for n in [1, 63, 64, 65, 100, 129, 1000, 4096, 4097, 8191, 8192]:
+        b = prompt_bucket(n)
+        assert n <= b and (b <= 64 or b < 1.25 * n + 1), (n, b)
+    assert prompt_bucket(4096) == 4096 and prompt_bucket(8192) == 8192
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=0.0), "temperature=0.0"),
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(top_k=0), "top_k=0"),
+    (dict(max_generated_tokens=200), "context of 128"),
+    (dict(samples=0), "samples=0"),
+    (dict(stop_token=VOCAB), f"stop_token={VOCAB}"),
+])
+def test_bad_arguments_are_named(kw, match):
+    args = dict(samples=2, max_generated_tokens=4, pad_id=PAD) | kw
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(model_of("qwen3")).generate(ragged_prompts(), **args)
+
+
+def test_bad_prompts_are_named():
+    engine = RolloutEngine(model_of("qwen3"))
+    prompts = ragged_prompts()
+    prompts[1] = PAD
+    with pytest.raises(ValueError, match=r"prompts \[1\] hold only pad_id=0"):
+        engine.generate(prompts, samples=2, max_generated_tokens=3, pad_id=PAD)
+    prompts = ragged_prompts()
+    prompts[0, 3] = VOCAB + 4
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 4}"):
+        engine.generate(prompts, samples=2, max_generated_tokens=3, pad_id=PAD)
+
+
+def test_unsupported_models_are_refused_by_name():
+    import transformers as tf
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="cannot run GPT2LMHeadModel: model_type='gpt2'"):
+        RolloutEngine(gpt2)
+    base = tf.Qwen3Model(tf.Qwen3Config(num_hidden_layers=1, hidden_size=16, head_dim=4,
+                                        intermediate_size=32, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=50))
+    with pytest.raises(ValueError, match="Qwen3Model: it has no LM head"):
+        RolloutEngine(base)
+    with pytest.raises(ValueError, match="cannot run Linear"):
+        RolloutEngine(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="attention='fast'"):
+        RolloutEngine(model_of("qwen3"), attention="fast")
