@@ -3,7 +3,8 @@
     tune run recipes/grpo_full_finetune.py --config recipes/configs/tiny_grpo.yaml [key=value ...]
 
 Each step: sample `groups_per_step` prompts from the task, generate `group_size` responses each
-(KV-cached, temperature / top-k), score them with the task's verifiable reward, normalise
+(dualkv_compile.rollout.RolloutEngine: each prompt's K/V computed and stored once for its
+samples, CUDA-graphed decode; temperature / top-k / top-p), score them with the task's verifiable reward, normalise
 advantages within each group, then one policy update: old and reference logprobs through
 `optimize(model).response_logprobs`, the clipped loss with a KL term through
 `optimize(model).response_loss` (the LM head's backward fused into its forward), micro-batches of
@@ -31,9 +32,11 @@ from torchtune import config
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import (generate_groups, plan_calls, group_advantages, groups_with_signal,
-                               overlong_penalty, peak_bf16_tflops, policy_update_flops)
+from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
+                               peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
+from dualkv_compile.rollout import RolloutEngine, plan_calls
+from dualkv_compile.rollout.weights import gathered_weights
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -85,6 +88,13 @@ class GRPORecipe:
         dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback,
                                attention_backend=cfg.dualkv.get("attention_backend", "auto"),
                                bucket_growth=float(cfg.dualkv.get("bucket_growth", 1.0)))
+        # the rollout reads the live weights; sharing the prompt K/V follows dualkv.enabled
+        # unless `rollout_share_prompt` says otherwise (off: the prompt K/V replicated per row,
+        # as a decoder without cascade attention holds it)
+        share = cfg.get("rollout_share_prompt")
+        self.rollout_engine = RolloutEngine(
+            self.model, share_prompt=bool(cfg.dualkv.enabled) if share is None else bool(share),
+            steps_per_graph=int(cfg.get("rollout_steps_per_graph", 16)))
         self.policy = dk.optimize(self.model, dcfg)
         self.reference = dk.optimize(self.ref_model, dcfg)
         self.loss_fn = config.instantiate(cfg.loss)
@@ -144,7 +154,7 @@ class GRPORecipe:
     @torch.no_grad()
     def rollout(self, prompts: torch.Tensor):
         """prompts [G, P] -> tokens [G*N, P+T], padding mask, response lengths (eos included).
-        Each prompt is prefilled once for its N samples (dualkv_compile.rl.generate_groups)."""
+        Each prompt is prefilled once for its N samples (dualkv_compile.rollout)."""
         cfg, tok = self.cfg, self.tokenizer
         prompts = prompts.to(self.device)
         n = cfg.group_size
@@ -161,36 +171,25 @@ class GRPORecipe:
         return torch.where(mask, tokens, tok.pad_id), mask, lengths
 
     def _generate(self, prompts: torch.Tensor, samples: int) -> torch.Tensor:
-        """`samples` responses [G * samples, T] for each of prompts [G, P]. Sharded, it decodes
-        all steps (no early stop at eos), as every step is a collective."""
+        """`samples` responses [G * samples, T] for each of prompts [G, P]."""
         cfg, tok = self.cfg, self.tokenizer
-        return generate_groups(self.model, prompts, samples=samples,
-                               max_generated_tokens=cfg.max_generated_tokens, pad_id=tok.pad_id,
-                               temperature=cfg.temperature, top_k=cfg.top_k,
-                               stop_token=tok.eos_id if self.world_size == 1 else None,
-                               rng=self.rng, dtype=self.dtype)
+        return self.rollout_engine.generate(
+            prompts, samples=samples, max_generated_tokens=cfg.max_generated_tokens,
+            pad_id=tok.pad_id, temperature=cfg.temperature, top_k=cfg.top_k,
+            top_p=cfg.get("top_p"), rng=self.rng, dtype=self.dtype,
+            stop_token=tok.eos_id if tok.eos_id is not None and tok.eos_id >= 0 else None)
 
     @torch.no_grad()
     def _generate_all(self, prompts: torch.Tensor, calls: list) -> list[torch.Tensor]:
-        """The responses of each planned call (rl.plan_calls). Sharded, every decode step is a
-        collective, so a rank with fewer calls (or none) makes throwaway ones to keep step."""
-        mine = len(calls)
-        total = mine if self.world_size == 1 else int(ddp.all_max(mine)[0])
-        filler = prompts[:1] if len(prompts) else torch.full(
-            (1, 1), self.tokenizer.pad_id, dtype=torch.long, device=self.device)
-        parts = []
-        self.model.eval()
-        for i in range(total):
-            if i < mine:
-                first, count, samples = calls[i]
-                parts.append(self._generate(prompts[first:first + count], samples))
-            else:
-                self._generate(filler, 1)
-        self.model.train()
-        return parts
+        """The responses of each planned call (rollout.plan_calls). Sharded, the weights are
+        gathered once for all of them (one collective per rollout, on every rank, also on a
+        rank with no calls); the decode steps themselves are local."""
+        with gathered_weights(self.model):
+            return [self._generate(prompts[first:first + count], samples)
+                    for first, count, samples in calls]
 
     def idle_rollout(self):
-        """A sharded rank with no rows this round still joins the others' generate calls."""
+        """A sharded rank with no rows this round still joins the others' weight gathering."""
         self._generate_all(torch.zeros(0, 1, dtype=torch.long, device=self.device), [])
 
     def _sample_prompts(self, need: int):

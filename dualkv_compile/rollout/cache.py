@@ -42,6 +42,7 @@ class RolloutCache:
     step: Tensor                # [] int64: its response index
     done: Tensor                # [rows] bool: the row has produced the stop token
     out: Tensor                 # [rows, T] int64: the sampled tokens
+    logprobs: Tensor            # [rows, T] float32: their logprobs (temperature, no top-k/p)
     noise: Tensor               # [rows, vocab] float32: Exp(1) draws of the current step
 
     @classmethod
@@ -61,6 +62,8 @@ class RolloutCache:
                    step=torch.zeros((), **long),
                    done=torch.zeros(rows, dtype=torch.bool, device=device),
                    out=torch.zeros(rows, response_capacity, **long),
+                   logprobs=torch.zeros(rows, response_capacity, dtype=torch.float32,
+                                        device=device),
                    noise=torch.ones(rows, vocab, dtype=torch.float32, device=device))
 
     @property
@@ -79,5 +82,5 @@ class RolloutCache:
     def decode_tensors(self) -> list[Tensor]:
         """Everything a decode step reads or writes, flat (the compiled step's arguments)."""
         return [self.prompt_len, self.row_position0, self.tokens, self.step, self.done,
-                self.out, self.noise, *self.prompt_k, *self.prompt_v, *self.resp_k,
+                self.out, self.logprobs, self.noise, *self.prompt_k, *self.prompt_v, *self.resp_k,
                 *self.resp_v]

@@ -43,7 +43,7 @@ class _Workspace:
     key: tuple
     cache: RolloutCache
     step_fn: object
-    graphs: dict = field(default_factory=dict)  # (steps, id(generator)) -> (StepGraph, generator)
+    graphs: dict = field(default_factory=dict)  # steps -> StepGraph
     fingerprint: tuple = ()
     pool: object = None
     use_graphs: bool = False
@@ -72,16 +72,20 @@ class RolloutEngine:
         self.attention, self.compile, self.cuda_graphs = attention, compile, cuda_graphs
         self.steps_per_graph = steps_per_graph
         self.share_prompt = share_prompt
-        self.stats = Counter()  # calls, decode_steps, compiles, captures, graph_fallbacks
+        self.stats = Counter()  # calls, decode_steps, compiled_functions, captures, graph_fallbacks
         self._steps: dict[tuple, object] = {}  # compiled decode steps, per key
         self._workspace: _Workspace | None = None  # the last shape's buffers (one held)
+        self._graph_gen: torch.Generator | None = None  # what captured graphs draw from
 
     # ---- public ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Tensor, *, samples: int, max_generated_tokens: int, pad_id: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  stop_token: int | None = None, rng: torch.Generator | None = None,
-                 dtype: torch.dtype | None = None) -> Tensor:
+                 dtype: torch.dtype | None = None,
+                 return_logprobs: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """prompts [G, P] -> responses [G * samples, T] (and with return_logprobs, each sampled
+        token's logprob [G * samples, T] under softmax(logits / temperature), 0 after a stop)."""
         sampling = SamplingParams(temperature, top_k, top_p)
         compact, plen, pmax = self._check(prompts, samples, max_generated_tokens, pad_id,
                                           stop_token, rng)
@@ -89,6 +93,10 @@ class RolloutEngine:
         on_cuda = device.type == "cuda"
         implementation = self.attention if self.attention != "auto" else (
             "flex" if on_cuda else "math")
+        compiled = self.compile if self.compile is not None else on_cuda
+        if implementation == "flex" and compiled and not on_cuda:
+            raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
+                             "returns no log-sum-exp); use attention='math' or compile=False")
         groups, t = prompts.shape[0], max_generated_tokens
         rows = groups * samples
         capacity = prompt_bucket(pmax)
@@ -98,7 +106,16 @@ class RolloutEngine:
         key = (rows, groups if self.share_prompt else rows, capacity, t, dtype, sampling,
                pad_id, stop_token, implementation, device)
         with gathered_weights(self.model):
-            ws = self._workspace_for(key, on_cuda)
+            ws = self._workspace_for(key, on_cuda, compiled)
+            # graphs are captured before the cache is filled (a capture warms up on it first);
+            # they draw from the engine's own generator, which carries the caller's state in
+            # and out, so that a capture never touches (or poisons) the caller's generator
+            graph_gen = self._capture(ws, t - 1) if ws.use_graphs else None
+            source = rng if rng is not None else _default_generator(device)
+            gen = rng
+            if graph_gen is not None:
+                graph_gen.set_state(source.get_state())
+                gen = graph_gen
             c = ws.cache
             self.stats["calls"] += 1
             copies = 1 if self.share_prompt else samples
@@ -108,13 +125,20 @@ class RolloutEngine:
             c.step.zero_()
             c.done.zero_()
             c.out.fill_(pad_id)
-            draw_noise(c.noise, rng)
-            first = sample(logits.repeat_interleave(samples, 0), c.noise, sampling)
+            draw_noise(c.noise, gen)
+            logits = logits.repeat_interleave(samples, 0)
+            first = sample(logits, c.noise, sampling)
             c.tokens.copy_(first)
             c.out[:, 0] = first
+            c.logprobs[:, 0] = (logits / temperature).log_softmax(-1).gather(
+                1, first[:, None])[:, 0]
             if stop_token is not None:
                 c.done.copy_(first == stop_token)
-            self._decode(ws, t - 1, stop_token is not None, rng)
+            self._decode(ws, t - 1, stop_token is not None, gen)
+            if gen is not rng:
+                source.set_state(gen.get_state())
+            if return_logprobs:
+                return c.out.clone(), c.logprobs.clone()
             return c.out.clone()
 
     def kv_bytes(self) -> int:
@@ -153,7 +177,7 @@ class RolloutEngine:
         return prompts.long().gather(1, order), plen, pmax
 
     # ---- buffers, compiles, graphs -----------------------------------------------------------
-    def _workspace_for(self, key: tuple, on_cuda: bool) -> _Workspace:
+    def _workspace_for(self, key: tuple, on_cuda: bool, compiled: bool) -> _Workspace:
         ws = self._workspace
         if ws is None or ws.key != key:
             self._workspace = ws = None  # free the previous shape's buffers first
@@ -163,71 +187,84 @@ class RolloutEngine:
                 layers=len(dec.layers), groups=groups, rows=rows, prompt_capacity=capacity,
                 response_capacity=t, kv_heads=dec.num_kv_heads, head_dim=dec.head_dim,
                 vocab=dec.vocab_size, dtype=dtype, device=device)
-            compiled = self.compile if self.compile is not None else on_cuda
             ws = _Workspace(key, cache, self._step_fn(key, compiled))
             ws.use_graphs = on_cuda and compiled and (self.cuda_graphs is not False)
-            if ws.use_graphs and t > 1:
-                warm_up(ws.step_fn, cache)
+            if ws.use_graphs:
                 ws.pool = torch.cuda.graph_pool_handle()
             self._workspace = ws
-        fingerprint = weights_fingerprint(self.model)
-        if fingerprint != ws.fingerprint:  # weights in new storage: graphs read the old
-            ws.graphs.clear()
-            ws.fingerprint = fingerprint
+        if ws.use_graphs:
+            fingerprint = weights_fingerprint(self.model)
+            if fingerprint != ws.fingerprint:  # weights in new storage: graphs read the old
+                ws.graphs.clear()
+                ws.fingerprint = fingerprint
         return ws
 
     def _step_fn(self, key: tuple, compiled: bool):
         if key not in self._steps:
             rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device = key
-            fn = make_decode_step(self.decoder, layers=len(self.decoder.layers),
-                                  sampling=sampling, pad_id=pad_id, stop_token=stop,
-                                  implementation=impl)
-            if compiled:
-                fn = _bounded(torch.compile(fn, fullgraph=True, dynamic=False))
-                self.stats["compiles"] += 1
-            self._steps[key] = fn
+            self._steps[key] = make_decode_step(
+                self.decoder, sampling=sampling, pad_id=pad_id, stop_token=stop,
+                implementation=impl, compile_fn=self._compile if compiled else None)
         return self._steps[key]
 
-    def _decode(self, ws: _Workspace, steps: int, check_stop: bool, rng) -> None:
+    def _compile(self, fn):
+        """fullgraph, static shapes; a recompile past a small limit raises (bounded_recompiles)
+        instead of silently running eagerly."""
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        self.stats["compiled_functions"] += 1
+
+        def call(*args):
+            # one code object serves every engine and shape key: allow one entry per key
+            with bounded_recompiles(64, "the rollout decode step",
+                                    "Each engine key (shape, sampling settings) compiles once; "
+                                    "fewer distinct prompt buckets or settings per process."):
+                return compiled(*args)
+        return call
+
+    def _decode(self, ws: _Workspace, steps: int, check_stop: bool, gen) -> None:
         done = 0
         while done < steps:
             if check_stop and done and bool(ws.cache.done.all()):  # one sync per chunk
                 break
             n = min(self.steps_per_graph, steps - done)
-            graph = self._graph(ws, n, rng) if ws.use_graphs else None
-            if graph is not None:
-                graph.replay()
+            if n in ws.graphs:
+                ws.graphs[n].replay()
             else:
                 tensors = ws.cache.decode_tensors()
                 for _ in range(n):
-                    draw_noise(ws.cache.noise, rng)
+                    draw_noise(ws.cache.noise, gen)
                     ws.step_fn(*tensors)
             done += n
             self.stats["decode_steps"] += n
 
-    def _graph(self, ws: _Workspace, steps: int, rng) -> StepGraph | None:
-        key = (steps, id(rng))
-        if key not in ws.graphs:
+    def _capture(self, ws: _Workspace, steps: int) -> torch.Generator | None:
+        """Capture the chunk lengths `steps` decode steps need (K and the remainder); the
+        generator they draw from, or None (and eager steps from now on) if a capture failed."""
+        k = self.steps_per_graph
+        needed = {n for n in (k if steps >= k else 0, steps % k) if n}
+        if self._graph_gen is None:
+            self._graph_gen = torch.Generator(ws.cache.noise.device)
+        for n in sorted(needed - set(ws.graphs)):
             try:
-                graph = StepGraph(ws.step_fn, ws.cache.decode_tensors(), ws.cache.noise, steps,
-                                  rng, ws.pool)
+                warm_up(ws.step_fn, ws.cache)  # compile and autotune outside the capture
+                ws.graphs[n] = StepGraph(ws.step_fn, ws.cache.decode_tensors(), ws.cache.noise,
+                                         n, self._graph_gen, ws.pool)
             except Exception as e:  # noqa: BLE001 - any capture failure falls back, logged
                 ws.use_graphs = False
+                ws.graphs.clear()
+                self._graph_gen = None  # a failed capture may leave it unusable
                 self.stats["graph_fallbacks"] += 1
                 counters["rollout_graph_fallbacks"] += 1
                 log_once(log, logging.WARNING, f"rollout: CUDA graph capture failed "
                          f"({type(e).__name__}: {e}); decoding with the compiled step, "
                          "launched eagerly")
                 return None
-            ws.graphs[key] = (graph, rng)  # the generator is kept so its id stays its own
             self.stats["captures"] += 1
-        return ws.graphs[key][0]
+        return self._graph_gen
 
 
-def _bounded(fn):
-    """A compiled step that raises instead of silently recompiling past a small limit."""
-    def call(*args):
-        with bounded_recompiles(4, "the rollout decode step",
-                                "Its shapes are fixed per engine key; this is a bug."):
-            return fn(*args)
-    return call
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None
+                                             else torch.cuda.current_device()]
+    return torch.default_generator

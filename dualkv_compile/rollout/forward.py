@@ -47,8 +47,7 @@ class _TorchtuneDecoder:
         self.model = model
         self.layers = [_unwrap(layer) for layer in model.layers]
         for i, layer in enumerate(self.layers):
-            if type(layer) is not TransformerSelfAttentionLayer and not isinstance(
-                    layer, TransformerSelfAttentionLayer):
+            if not isinstance(layer, TransformerSelfAttentionLayer):
                 raise _refuse(model, f"layer {i} is a {type(layer).__name__}, not a "
                                      "TransformerSelfAttentionLayer")
             if not (isinstance(layer.sa_scale, nn.Identity) and isinstance(layer.mlp_scale,
@@ -64,7 +63,10 @@ class _TorchtuneDecoder:
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.head_dim
         self.scale = self.head_dim ** -0.5  # torchtune's SDPA call passes no scale
-        self.norm_first = [type(_unwrap(layer.attn)) is Qwen3Attention for layer in self.layers]
+        kinds = {type(_unwrap(layer.attn)) for layer in self.layers}
+        if len(kinds) > 1:
+            raise _refuse(model, f"its layers mix attention classes {sorted(k.__name__ for k in kinds)}")
+        self.norm_first = kinds == {Qwen3Attention}
         self.max_seq_len = model.max_seq_len
         self.vocab_size = model.tok_embeddings.num_embeddings
 
@@ -74,27 +76,26 @@ class _TorchtuneDecoder:
     def rope(self, x: Tensor, positions: Tensor):
         return positions
 
-    def qkv(self, i: int, x: Tensor, positions) -> tuple[Tensor, Tensor, Tensor]:
-        """x [b, s, d] -> q [b, s, Hq, D], k and v [b, s, Hkv, D]."""
-        layer = self.layers[i]
+    def qkv(self, layer: nn.Module, x: Tensor, positions) -> tuple[Tensor, Tensor, Tensor]:
+        """The residual stream x [b, s, d] entering `layer` (one of self.layers) -> q [b, s, Hq,
+        D], k and v [b, s, Hkv, D], normed and rotated."""
         attn = _unwrap(layer.attn)
         h = layer.sa_norm(x)
         b, s, _ = h.shape
         q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim)
         k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
-        if self.norm_first[i]:
+        if self.norm_first:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = attn.pos_embeddings(q, input_pos=positions)
         k = attn.pos_embeddings(k, input_pos=positions)
-        if not self.norm_first[i]:
+        if not self.norm_first:
             q = attn.q_norm(q) if attn.q_norm is not None else q
             k = attn.k_norm(k) if attn.k_norm is not None else k
         return q, k, v
 
-    def finish(self, i: int, x: Tensor, attended: Tensor) -> Tensor:
-        """The residual stream after layer i, from its input x and the attention [b, s, Hq*D]."""
-        layer = self.layers[i]
+    def finish(self, layer: nn.Module, x: Tensor, attended: Tensor) -> Tensor:
+        """The residual stream after `layer`, from its input x and the attention [b, s, Hq*D]."""
         h = x + _unwrap(layer.attn).output_proj(attended)
         return h + layer.mlp(layer.mlp_norm(h))
 
@@ -136,8 +137,7 @@ class _HFDecoder:
     def rope(self, x: Tensor, positions: Tensor):
         return self.base.rotary_emb(x, positions)
 
-    def qkv(self, i: int, x: Tensor, cos_sin) -> tuple[Tensor, Tensor, Tensor]:
-        layer = self.layers[i]
+    def qkv(self, layer: nn.Module, x: Tensor, cos_sin) -> tuple[Tensor, Tensor, Tensor]:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         b, s, _ = h.shape
@@ -151,8 +151,7 @@ class _HFDecoder:
         q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v
 
-    def finish(self, i: int, x: Tensor, attended: Tensor) -> Tensor:
-        layer = self.layers[i]
+    def finish(self, layer: nn.Module, x: Tensor, attended: Tensor) -> Tensor:
         h = x + layer.self_attn.o_proj(attended)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -1,9 +1,13 @@
 """Prefill and one decode step of the rollout engine, as functions of the model's pieces
 (forward.py) and the cache's tensors (cache.py).
 
-The decode step is written for `torch.compile(fullgraph=True, dynamic=False)` and CUDA-graph
-capture: every length it needs is a tensor (the step counter, the prompt lengths), it writes
-its K/V and its sampled token in place at the step counter, and it never syncs with the host.
+The decode step is three parts: embedding and rotary tables, one call per layer of a single
+layer function, and the head (final norm, LM head, sampling, state update). The layer function
+is compiled once and reused for every layer (Dynamo sees the layer module as an input), so a
+36-layer model compiles one layer graph and one head graph, not 36 unrolled layers. Every
+length is a tensor (the step counter, the prompt lengths); K/V and sampled tokens are written
+in place at the step counter; nothing syncs with the host, so the whole step can be captured
+in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ def prefill(dec, prompts: Tensor, prompt_len: Tensor, prompt_k: list[Tensor],
     x = dec.embed(prompts)
     positions = torch.arange(p, device=prompts.device).expand(g, p)
     rope = dec.rope(x, positions)
-    for layer in range(len(prompt_k)):
+    for layer, pk, pv in zip(dec.layers, prompt_k, prompt_v):
         q, k, v = dec.qkv(layer, x, rope)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, Hkv, P, D]
-        prompt_k[layer][:, :, :p].copy_(k.repeat_interleave(copies, 0) if copies > 1 else k)
-        prompt_v[layer][:, :, :p].copy_(v.repeat_interleave(copies, 0) if copies > 1 else v)
+        pk[:, :, :p].copy_(k.repeat_interleave(copies, 0) if copies > 1 else k)
+        pv[:, :, :p].copy_(v.repeat_interleave(copies, 0) if copies > 1 else v)
         # causal over the valid tokens; the padding after them is never a key of theirs
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                            scale=dec.scale, enable_gqa=True)
@@ -40,32 +44,49 @@ def prefill(dec, prompts: Tensor, prompt_len: Tensor, prompt_k: list[Tensor],
     return dec.logits(last)
 
 
-def make_decode_step(dec, *, layers: int, sampling: SamplingParams, pad_id: int,
-                     stop_token: int | None, implementation: str):
+def make_decode_step(dec, *, sampling: SamplingParams, pad_id: int, stop_token: int | None,
+                     implementation: str, compile_fn=None):
     """step(*cache.decode_tensors()): feed `tokens` (response index `step`), write their K/V at
-    `step`, sample the next tokens into out[:, step + 1], mark stopped rows, advance `step`."""
+    `step`, sample the next tokens into out[:, step + 1] (their logprobs into logprobs[:, step +
+    1]), mark stopped rows, advance `step`. compile_fn (e.g. torch.compile) wraps the layer and
+    head functions."""
+    temperature = sampling.temperature
 
-    def decode_step(prompt_len, row_position0, tokens, step, done, out, noise, *kv):
-        prompt_k, prompt_v = kv[:layers], kv[layers:2 * layers]
-        resp_k, resp_v = kv[2 * layers:3 * layers], kv[3 * layers:]
-        rows = tokens.shape[0]
+    def decode_layer(layer, x, rope, prompt_k, prompt_v, prompt_len, resp_k, resp_v, step):
+        rows = x.shape[0]
+        q, k, v = dec.qkv(layer, x, rope)
         at = step.view(1)
-        x = dec.embed(tokens[:, None])
-        rope = dec.rope(x, (row_position0 + step)[:, None])
-        for layer in range(layers):
-            q, k, v = dec.qkv(layer, x, rope)
-            resp_k[layer][:, :, at] = k.transpose(1, 2).to(resp_k[layer].dtype)
-            resp_v[layer][:, :, at] = v.transpose(1, 2).to(resp_v[layer].dtype)
-            o = decode_attention(q[:, 0], prompt_k[layer], prompt_v[layer], prompt_len,
-                                 resp_k[layer], resp_v[layer], step, scale=dec.scale,
-                                 implementation=implementation)
-            x = dec.finish(layer, x, o.reshape(rows, 1, -1))
-        token = sample(dec.logits(x[:, 0]), noise, sampling)
-        token = torch.where(done, pad_id, token)
-        out[:, at + 1] = token[:, None]
+        resp_k[:, :, at] = k.transpose(1, 2).to(resp_k.dtype)
+        resp_v[:, :, at] = v.transpose(1, 2).to(resp_v.dtype)
+        o = decode_attention(q[:, 0], prompt_k, prompt_v, prompt_len, resp_k, resp_v, step,
+                             scale=dec.scale, implementation=implementation)
+        return dec.finish(layer, x, o.reshape(rows, 1, -1))
+
+    def decode_head(x, noise, tokens, step, done, out, logprobs):
+        logits = dec.logits(x[:, 0])
+        token = torch.where(done, pad_id, sample(logits, noise, sampling))
+        scaled = logits / temperature
+        logprob = scaled.gather(1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1)
+        at = step.view(1) + 1
+        out[:, at] = token[:, None]
+        logprobs[:, at] = torch.where(done, 0.0, logprob)[:, None]
         if stop_token is not None:
             done.logical_or_(token == stop_token)
         tokens.copy_(token)
         step.add_(1)
+
+    layer_fn = compile_fn(decode_layer) if compile_fn else decode_layer
+    head_fn = compile_fn(decode_head) if compile_fn else decode_head
+    layers = len(dec.layers)
+
+    def decode_step(prompt_len, row_position0, tokens, step, done, out, logprobs, noise, *kv):
+        prompt_k, prompt_v = kv[:layers], kv[layers:2 * layers]
+        resp_k, resp_v = kv[2 * layers:3 * layers], kv[3 * layers:]
+        x = dec.embed(tokens[:, None])
+        rope = dec.rope(x, (row_position0 + step)[:, None])
+        for i, layer in enumerate(dec.layers):
+            x = layer_fn(layer, x, rope, prompt_k[i], prompt_v[i], prompt_len, resp_k[i],
+                         resp_v[i], step)
+        head_fn(x, noise, tokens, step, done, out, logprobs)
 
     return decode_step
