@@ -149,6 +149,21 @@ def _torchtune_kv_cache_generate(model, prompts, samples, t, rng):
             tokens = sample(logits, q=q(logits))
 
 
+def _profile(model, prompts, n, shared, attention, path):
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = RolloutEngine(model, share_prompt=shared, attention=attention, cuda_graphs=False)
+    run = lambda: engine.generate(prompts, samples=n, max_generated_tokens=17, pad_id=0)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+                                          max_name_column_width=90))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, ["16,4096,256"])
@@ -158,6 +173,11 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--no-torchtune", action="store_true", help="skip the previous sampler")
     ap.add_argument("--no-replicated", action="store_true")
+    ap.add_argument("--attention", nargs="+", default=["flex"], choices=["flex", "math"],
+                    help="decode attention of the shared-prompt engine (each one a variant)")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="write the top CUDA kernels of 16 eagerly launched compiled steps of "
+                         "each engine variant to PATH_<variant>.txt")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -170,10 +190,14 @@ def main(argv=None):
     for n, p, r in args.shapes:
         for groups in args.groups:
             prompts = torch.randint(2, QWEN3_VOCAB, (groups, p), device="cuda")
-            variants = {"engine": True} | ({} if args.no_replicated else
-                                           {"engine_replicated": False})
-            for name, shared in variants.items():
-                engine = RolloutEngine(model, share_prompt=shared)
+            variants = {f"engine_{a}": (True, a) for a in args.attention}
+            if not args.no_replicated:
+                variants["engine_replicated"] = (False, args.attention[0])
+            for name, (shared, attention) in variants.items():
+                if args.profile:
+                    _profile(model, prompts, n, shared, attention,
+                             f"{args.profile}_{name}_{n}_{p}_{r}_{groups}.txt")
+                engine = RolloutEngine(model, share_prompt=shared, attention=attention)
                 gen = torch.Generator("cuda").manual_seed(0)
                 result = _per_step(lambda t: engine.generate(
                     prompts, samples=n, max_generated_tokens=t, pad_id=0, rng=gen), r)
