@@ -9,6 +9,7 @@ import torch
 from dualkv_compile.models import qwen3
 from dualkv_compile.rollout import (RolloutEngine, SamplingParams, decode_attention,
                                     prompt_bucket, sample)
+from dualkv_compile.rollout.cache import prompt_splits
 from dualkv_compile.rollout.reference import reference_generate
 from dualkv_compile.testing import same_dtype_numerics, tiny_model
 
@@ -30,16 +31,19 @@ def model_of(family, seed=0, vocab=VOCAB):
     return same_dtype_numerics(model.to(torch.float64).eval())
 
 
-def ragged_prompts(groups=3, width=9, seed=1, vocab=VOCAB):
+def ragged_prompts(groups=3, width=40, seed=1, vocab=VOCAB):
+    """Left-padded prompts of 40, 30, 20, ... tokens: the cache holds them in 2 splits of 24
+    keys (prompt_splits), the second empty for the 20-token prompt."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(2, vocab, (groups, width), generator=g)
     for i in range(1, groups):
-        prompts[i, :2 * i] = PAD  # lengths 9, 7, 5, ...: left-padded
+        prompts[i, :10 * i] = PAD
     return prompts
 
 
 def dense_reference(q, pk, pv, plen, rk, rv, last, scale):
-    """Each row against its group's valid prompt keys and its own keys 0..last, one softmax."""
+    """Each row against its group's valid prompt keys and its own keys 0..last, one softmax.
+    pk/pv [G, Hkv, P, D] (unsplit)."""
     rows, hq, d = q.shape
     groups, hkv = pk.shape[:2]
     n, rep = rows // groups, hq // hkv
@@ -53,17 +57,24 @@ def dense_reference(q, pk, pv, plen, rk, rv, last, scale):
     return out
 
 
+def split(kv, splits):
+    """[G, Hkv, P, D] -> the cache's [G, S, Hkv, P / S, D]."""
+    g, h, p, d = kv.shape
+    return kv.view(g, h, splits, p // splits, d).transpose(1, 2).contiguous()
+
+
 @pytest.mark.parametrize("implementation", ["math", "flex"])
-@pytest.mark.parametrize("groups,n,last", [(3, 4, 0), (3, 4, 6), (2, 1, 3), (1, 5, 9)])
-def test_decode_attention_equals_dense_softmax(implementation, groups, n, last):
+@pytest.mark.parametrize("groups,n,last,splits", [(3, 4, 0, 1), (3, 4, 6, 4), (2, 1, 3, 2),
+                                                  (1, 5, 9, 8)])
+def test_decode_attention_equals_dense_softmax(implementation, groups, n, last, splits):
     g = torch.Generator().manual_seed(groups * 10 + n + last)
-    hq, hkv, d, p, r = 4, 2, 8, 11, 10
+    hq, hkv, d, p, r = 4, 2, 8, 16, 10
     x = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     q, pk, pv = x(groups * n, hq, d), x(groups, hkv, p, d), x(groups, hkv, p, d)
     rk, rv = x(groups * n, hkv, r, d), x(groups * n, hkv, r, d)
-    plen = torch.tensor([p, 1, 7][:groups])
-    got = decode_attention(q, pk, pv, plen, rk, rv, torch.tensor(last), scale=d ** -0.5,
-                           implementation=implementation)
+    plen = torch.tensor([11, 1, 16][:groups])  # splits past a prompt's end hold no key
+    got = decode_attention(q, split(pk, splits), split(pv, splits), plen, rk, rv,
+                           torch.tensor(last), scale=d ** -0.5, implementation=implementation)
     want = dense_reference(q, pk, pv, plen, rk, rv, last, d ** -0.5)
     assert (got - want).abs().max() < 1e-12
 
@@ -73,6 +84,7 @@ def generate_both(model, prompts, **kw):
     engine = RolloutEngine(model, steps_per_graph=kw.pop("steps_per_graph", 4),
                            share_prompt=kw.pop("share_prompt", True))
     ours = engine.generate(prompts, pad_id=PAD, rng=torch.Generator().manual_seed(seed), **kw)
+    assert engine._workspace.cache.prompt_k[0].shape[1] == 2  # split-KV exercised
     theirs = reference_generate(model, prompts, pad_id=PAD,
                                 rng=torch.Generator().manual_seed(seed), **kw)
     return ours, theirs
@@ -139,6 +151,14 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert hits == {0, 1, 2}  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
     noise = torch.ones(1, 5)
     assert int(sample(logits, noise, SamplingParams(top_p=0.01))) == 0
+
+
+def test_prompt_splits_fill_the_gpu_and_divide_the_capacity():
+    assert prompt_splits(1, 8, 4096) == 64 and prompt_splits(16, 8, 4096) == 4
+    assert prompt_splits(64, 8, 4096) == 1 and prompt_splits(1, 8, 48) == 2
+    for groups, heads, cap in [(1, 8, 4096), (3, 2, 80), (1, 1, 16), (2, 4, 5120)]:
+        s = prompt_splits(groups, heads, cap)
+        assert cap % s == 0 and (s == 1 or cap // s >= 16)
 
 
 def test_prompt_buckets_waste_under_a_quarter():

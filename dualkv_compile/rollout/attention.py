@@ -4,14 +4,19 @@ response, merged by log-sum-exp.
 One decode step has one query per row. Rows are laid out group-major: row r belongs to group
 r // N. The prompt region puts a group's N rows on the query axis, so the group's prompt keys
 are read once for all of them (cascade / Hydragen); the response region is each row against its
-own keys. Both return the softmax-normalised output and its log-sum-exp; the merge weights each
-by its share of the total mass, which equals attention over the union of the keys.
+own keys. Each part returns its softmax-normalised output and log-sum-exp; the merge weights
+each by its share of the total mass, which equals attention over the union of the keys.
+
+The prompt K/V are stored split along the keys, [G, S, Hkv, C, D] (S splits of C keys), and
+the S splits run as S batch entries (split-KV, as decode kernels do): one group's prompt gives
+S x Hkv independent pieces of work instead of Hkv, enough to fill a GPU. A split beyond the
+prompt's length has no valid key: its log-sum-exp is -inf, its output 0, its merge weight 0.
 
 Two implementations with one meaning:
-- "math": explicit einsum + masked softmax in float32 (float64 stays float64); the CPU path and
-  the reference the tests hold the other to.
-- "flex": FlexAttention with length masks as score_mods (no BlockMask); inside the compiled
-  decode step Inductor lowers it to its split-KV decoding kernel. The GPU path.
+- "math": explicit einsum + masked softmax in float32 (float64 stays float64); the reference
+  the tests hold the other to, and the default everywhere (docs/performance.md, "Rollout").
+- "flex": FlexAttention with the lengths as score_mods (no BlockMask), lowered by Inductor
+  inside the compiled step; CUDA only.
 """
 
 from __future__ import annotations
@@ -29,32 +34,55 @@ def _wide(t: Tensor) -> torch.dtype:
 
 
 def merge_regions(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-    """Attention over keys A ∪ B from attention over A and over B: out [..., D], lse [...]."""
+    """Attention over keys A ∪ B from attention over A and over B: out [..., D], lse [...].
+    One of the two must hold a key (a finite lse)."""
     m = torch.maximum(lse_a, lse_b)
     wa, wb = torch.exp(lse_a - m).unsqueeze(-1), torch.exp(lse_b - m).unsqueeze(-1)
     return (out_a * wa + out_b * wb) / (wa + wb)
 
 
+def _merge_splits(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """out [G, S, ..., D], lse [G, S, ...] -> the merge over S: [G, ..., D], [G, ...]."""
+    total = torch.logsumexp(lse, dim=1)
+    weight = torch.exp(lse - total.unsqueeze(1)).unsqueeze(-1)
+    return (out * weight).sum(1), total
+
+
+def _split_lengths(prompt_len: Tensor, splits: int, chunk: int) -> Tensor:
+    """[G] valid prompt keys -> [G, S] valid keys of each split."""
+    starts = torch.arange(splits, device=prompt_len.device) * chunk
+    return (prompt_len[:, None] - starts).clamp(0, chunk)
+
+
 def _math_region(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float):
-    """q [B, Hkv, M, D] against k, v [B, Hkv, S, D]; valid broadcasts to [B, 1, M, S]."""
+    """q [B, Hkv, M, D] against k, v [B, Hkv, S, D]; valid broadcasts to [B, 1, M, S].
+    Scores and softmax in float32 (float64 stays float64); bf16/fp16 probabilities meet V in
+    its own dtype with float32 accumulation, as flash kernels do. A row with no valid key gets
+    output 0 and log-sum-exp -inf."""
     wide = _wide(q)
     s = torch.einsum("bhmd,bhsd->bhms", q.to(wide), k.to(wide)) * scale
     s = s.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.einsum("bhms,bhsd->bhmd", torch.exp(s - lse.unsqueeze(-1)), v.to(wide)), lse
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    low = v.dtype in (torch.bfloat16, torch.float16)
+    out = torch.einsum("bhms,bhsd->bhmd", p.to(v.dtype) if low else p, v if low else v.to(wide))
+    return out.to(wide), lse
 
 
 def _math(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     rows, hq, d = q.shape
-    groups, hkv, p, _ = prompt_k.shape
+    groups, splits, hkv, chunk, _ = prompt_k.shape
     n, rep = rows // groups, hq // hkv
-    # prompt: the group's N rows x rep heads on the query axis of its kv head
-    qp = q.view(groups, n, hkv, rep, d).permute(0, 2, 1, 3, 4).reshape(groups, hkv, n * rep, d)
-    cols = torch.arange(p, device=q.device)
-    out_p, lse_p = _math_region(qp, prompt_k, prompt_v,
-                                (cols < prompt_len[:, None])[:, None, None, :], scale)
-    out_p = out_p.view(groups, hkv, n, rep, d).permute(0, 2, 1, 3, 4).reshape(rows, hq, d)
-    lse_p = lse_p.view(groups, hkv, n, rep).permute(0, 2, 1, 3).reshape(rows, hq)
+    # prompt: the group's N rows x rep heads on the query axis of its kv head, per split
+    qp = q.view(groups, n, hkv, rep, d).permute(0, 2, 1, 3, 4).reshape(groups, 1, hkv, n * rep, d)
+    qp = qp.expand(groups, splits, hkv, n * rep, d).reshape(groups * splits, hkv, n * rep, d)
+    lengths = _split_lengths(prompt_len, splits, chunk).view(groups * splits, 1, 1, 1)
+    valid = torch.arange(chunk, device=q.device) < lengths
+    out_p, lse_p = _math_region(qp, prompt_k.flatten(0, 1), prompt_v.flatten(0, 1), valid, scale)
+    out_p, lse_p = _merge_splits(out_p.view(groups, splits, hkv, n, rep, d),
+                                 lse_p.view(groups, splits, hkv, n, rep))
+    out_p = out_p.permute(0, 2, 1, 3, 4).reshape(rows, hq, d)
+    lse_p = lse_p.permute(0, 2, 1, 3).reshape(rows, hq)
     # response: each row's rep heads of a kv head against that row's keys up to `last`
     cols = torch.arange(resp_k.shape[2], device=q.device)
     out_r, lse_r = _math_region(q.view(rows, hkv, rep, d), resp_k, resp_v,
@@ -66,24 +94,30 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     rows, hq, d = q.shape
-    groups = prompt_k.shape[0]
+    groups, splits, hkv, chunk, _ = prompt_k.shape
     n = rows // groups
+    lengths = _split_lengths(prompt_len, splits, chunk).flatten()
 
     def in_prompt(score, b, h, q_idx, kv_idx):
-        return torch.where(kv_idx < prompt_len[b], score, float("-inf"))
+        return torch.where(kv_idx < lengths[b], score, float("-inf"))
 
     def in_response(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx <= last, score, float("-inf"))
 
-    qp = q.view(groups, n, hq, d).transpose(1, 2)  # [G, Hq, N, D]: the group's rows as queries
-    out_p, aux_p = flex_attention(qp, prompt_k, prompt_v, score_mod=in_prompt, scale=scale,
-                                  enable_gqa=True, return_aux=AuxRequest(lse=True))
+    # [G * S, Hq, N, D]: the group's rows as queries, once per split
+    qp = q.view(groups, 1, n, hq, d).expand(groups, splits, n, hq, d).reshape(
+        groups * splits, n, hq, d).transpose(1, 2)
+    out_p, aux_p = flex_attention(qp, prompt_k.flatten(0, 1), prompt_v.flatten(0, 1),
+                                  score_mod=in_prompt, scale=scale, enable_gqa=True,
+                                  return_aux=AuxRequest(lse=True))
+    wide = _wide(q)
+    out_p, lse_p = _merge_splits(out_p.view(groups, splits, hq, n, d).to(wide),
+                                 aux_p.lse.view(groups, splits, hq, n).to(wide))
     out_r, aux_r = flex_attention(q.unsqueeze(2), resp_k, resp_v, score_mod=in_response,
                                   scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
-    wide = _wide(q)
-    out_p = out_p.transpose(1, 2).reshape(rows, hq, d).to(wide)
-    lse_p = aux_p.lse.transpose(1, 2).reshape(rows, hq).to(wide)
-    return merge_regions(out_p, lse_p, out_r[:, :, 0].to(wide), aux_r.lse[:, :, 0].to(wide))
+    return merge_regions(out_p.transpose(1, 2).reshape(rows, hq, d),
+                         lse_p.transpose(1, 2).reshape(rows, hq),
+                         out_r[:, :, 0].to(wide), aux_r.lse[:, :, 0].to(wide))
 
 
 def decode_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_len: Tensor,
@@ -91,7 +125,8 @@ def decode_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_len: 
                      implementation: str = "math") -> Tensor:
     """One decode step's attention.
 
-    q [rows, Hq, D] (rows group-major, N = rows / G per group); prompt_k/v [G, Hkv, P, D] with
+    q [rows, Hq, D] (rows group-major, N = rows / G per group); prompt_k/v [G, S, Hkv, C, D]
+    (the group's prompt keys in S splits of C: key j at split j // C, index j % C) with
     prompt_len [G] valid keys each; resp_k/v [rows, Hkv, R, D] with keys 0..last valid (`last`
     a 0-d tensor: the index the current token was just written at). Returns [rows, Hq, D] in
     q's dtype.

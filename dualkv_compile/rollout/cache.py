@@ -1,8 +1,9 @@
 """The rollout's KV cache and decode state: static buffers, allocated once per shape.
 
-Prompt K/V are stored once per group ([G, Hkv, P, D] per layer, left padding stripped: a
-group's prompt starts at index 0 and `prompt_len[g]` says how many keys are valid); response
-K/V once per row ([rows, Hkv, R, D]). With `share_prompt=False` the prompt K/V are replicated
+Prompt K/V are stored once per group, left padding stripped (a group's prompt starts at key 0
+and `prompt_len[g]` says how many keys are valid), split along the keys for split-KV decoding:
+[G, S, Hkv, C, D] per layer, S x C = the prompt capacity (attention.py says why). Response K/V
+once per row ([rows, Hkv, R, D]). With `share_prompt=False` the prompt K/V are replicated
 per row (G = rows, one row per "group"), which is what a decoder without cascade attention
 holds: the baseline the benchmark and the recipe's off side use.
 
@@ -17,7 +18,22 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["RolloutCache", "prompt_bucket"]
+__all__ = ["RolloutCache", "prompt_bucket", "prompt_splits"]
+
+# split-KV pieces (group x split x kv head) to aim for: about two per SM of an H100
+_TARGET_PIECES = 264
+_MIN_SPLIT = 16
+
+
+def prompt_splits(groups: int, kv_heads: int, capacity: int) -> int:
+    """How many key splits S the prompt K/V are stored in: a power of two dividing `capacity`
+    into splits of at least 16 keys, the smallest that makes groups x S x kv_heads reach about
+    two pieces of work per SM."""
+    splits = 1
+    while (groups * splits * kv_heads < _TARGET_PIECES
+           and capacity % (2 * splits) == 0 and capacity // (2 * splits) >= _MIN_SPLIT):
+        splits *= 2
+    return splits
 
 
 def prompt_bucket(length: int) -> int:
@@ -32,7 +48,7 @@ def prompt_bucket(length: int) -> int:
 
 @dataclass(eq=False)
 class RolloutCache:
-    prompt_k: list[Tensor]      # per layer [G, Hkv, P, D]
+    prompt_k: list[Tensor]      # per layer [G, S, Hkv, C, D], S x C = the prompt capacity
     prompt_v: list[Tensor]
     prompt_len: Tensor          # [G] int64: valid prompt keys per group
     resp_k: list[Tensor]        # per layer [rows, Hkv, R, D]
@@ -49,15 +65,19 @@ class RolloutCache:
     def allocate(cls, *, layers: int, groups: int, rows: int, prompt_capacity: int,
                  response_capacity: int, kv_heads: int, head_dim: int, vocab: int,
                  dtype: torch.dtype, device: torch.device) -> RolloutCache:
-        def kv(batch, length):
+        def kv(*lead, length):
             # zeros, not empty: masked keys still meet a 0 weight in p @ v, and 0 * NaN = NaN
-            return [torch.zeros(batch, kv_heads, length, head_dim, dtype=dtype, device=device)
+            return [torch.zeros(*lead, kv_heads, length, head_dim, dtype=dtype, device=device)
                     for _ in range(layers)]
 
+        splits = prompt_splits(groups, kv_heads, prompt_capacity)
+        chunk = prompt_capacity // splits
         long = dict(dtype=torch.long, device=device)
-        return cls(prompt_k=kv(groups, prompt_capacity), prompt_v=kv(groups, prompt_capacity),
+        return cls(prompt_k=kv(groups, splits, length=chunk),
+                   prompt_v=kv(groups, splits, length=chunk),
                    prompt_len=torch.ones(groups, **long),
-                   resp_k=kv(rows, response_capacity), resp_v=kv(rows, response_capacity),
+                   resp_k=kv(rows, length=response_capacity),
+                   resp_v=kv(rows, length=response_capacity),
                    row_position0=torch.zeros(rows, **long), tokens=torch.zeros(rows, **long),
                    step=torch.zeros((), **long),
                    done=torch.zeros(rows, dtype=torch.bool, device=device),

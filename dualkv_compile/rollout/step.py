@@ -24,9 +24,10 @@ __all__ = ["make_decode_step", "prefill"]
 
 def prefill(dec, prompts: Tensor, prompt_len: Tensor, prompt_k: list[Tensor],
             prompt_v: list[Tensor], copies: int) -> Tensor:
-    """Run the G prompts [G, P] (valid tokens first, prompt_len [G] of them), write their K/V
-    into prompt_k/v[l][:, :, :P] (each group's `copies` times in a row: 1 shares the prompt,
-    N replicates it per sample row), return the last prompt token's logits [G, vocab]."""
+    """Run the G prompts [G, P] (valid tokens first, prompt_len [G] of them; P the cache's
+    prompt capacity), write their K/V into prompt_k/v[l] ([G * copies, S, Hkv, P / S, D]; each
+    group's `copies` times in a row: 1 shares the prompt, N replicates it per sample row),
+    return the last prompt token's logits [G, vocab]."""
     g, p = prompts.shape
     x = dec.embed(prompts)
     positions = torch.arange(p, device=prompts.device).expand(g, p)
@@ -34,14 +35,22 @@ def prefill(dec, prompts: Tensor, prompt_len: Tensor, prompt_k: list[Tensor],
     for layer, pk, pv in zip(dec.layers, prompt_k, prompt_v):
         q, k, v = dec.qkv(layer, x, rope)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, Hkv, P, D]
-        pk[:, :, :p].copy_(k.repeat_interleave(copies, 0) if copies > 1 else k)
-        pv[:, :, :p].copy_(v.repeat_interleave(copies, 0) if copies > 1 else v)
+        _store_split(pk, k, copies)
+        _store_split(pv, v, copies)
         # causal over the valid tokens; the padding after them is never a key of theirs
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                            scale=dec.scale, enable_gqa=True)
         x = dec.finish(layer, x, o.transpose(1, 2).reshape(g, p, -1))
     last = x[torch.arange(g, device=x.device), prompt_len - 1]
     return dec.logits(last)
+
+
+def _store_split(cache: Tensor, kv: Tensor, copies: int) -> None:
+    """kv [G, Hkv, P, D] into cache [G * copies, S, Hkv, P / S, D]."""
+    g, hkv, p, d = kv.shape
+    splits = cache.shape[1]
+    split = kv.view(g, hkv, splits, p // splits, d).transpose(1, 2)
+    cache.copy_(split.repeat_interleave(copies, 0) if copies > 1 else split)
 
 
 def make_decode_step(dec, *, sampling: SamplingParams, pad_id: int, stop_token: int | None,
