@@ -78,6 +78,8 @@ def test_flex_decode_attention_error_is_the_math_paths():
     q, pk, pv = x(groups * n, hq, d), x(groups, hkv, plen, d), x(groups, hkv, plen, d)
     rk, rv = x(groups * n, hkv, r, d), x(groups * n, hkv, r, d)
     lens, last = torch.tensor([1000, 1, 517], device="cuda"), torch.tensor(123, device="cuda")
+    # the cache's split layout: [G, S, Hkv, C, D], 8 splits of 125 keys
+    pk, pv = (t.view(groups, hkv, 8, plen // 8, d).transpose(1, 2).contiguous() for t in (pk, pv))
     exact = decode_attention(q, pk, pv, lens, rk, rv, last, scale=d ** -0.5)
     lo = [t.bfloat16() for t in (q, pk, pv)]
     rlo = [t.bfloat16() for t in (rk, rv)]

@@ -14,9 +14,10 @@ prompt's length has no valid key: its log-sum-exp is -inf, its output 0, its mer
 
 Two implementations with one meaning:
 - "math": explicit einsum + masked softmax in float32 (float64 stays float64); the reference
-  the tests hold the other to, and the default everywhere (docs/performance.md, "Rollout").
+  the tests hold the other to, and the CPU path.
 - "flex": FlexAttention with the lengths as score_mods (no BlockMask), lowered by Inductor
-  inside the compiled step; CUDA only.
+  inside the compiled step; CUDA only, and the default there (decoded faster than math on an
+  H100: docs/performance.md, "Rollout").
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class _Workspace:
 class RolloutEngine:
     """Shared-prompt decoding for one model (see the module docstring).
 
-    attention: "auto" (math: measured faster than flex on an H100), "flex" or "math".
+    attention: "auto" (flex on CUDA: faster than math on an H100; math elsewhere), "flex" or
+        "math".
     compile: torch.compile the decode step (default: on CUDA).
     cuda_graphs: replay `steps_per_graph` compiled steps as one CUDA graph (default: on CUDA
         when compiling).
@@ -91,7 +92,8 @@ class RolloutEngine:
                                           stop_token, rng)
         device = prompts.device
         on_cuda = device.type == "cuda"
-        implementation = "math" if self.attention == "auto" else self.attention
+        implementation = self.attention if self.attention != "auto" else (
+            "flex" if on_cuda else "math")
         compiled = self.compile if self.compile is not None else on_cuda
         if implementation == "flex" and compiled and not on_cuda:
             raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
