@@ -69,6 +69,51 @@ def run_case(name, family="qwen2_5", checkpointed=False, per_layer=True, enabled
     return result
 
 
+def rollout_case():
+    """The rollout engine on the sharded model: the plain model's tokens, and one all-gather
+    per sharded module per rollout whatever the number of decode steps."""
+    from unittest import mock
+
+    from dualkv_compile.rollout import RolloutEngine
+
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+    sharded, plain = model_pair("qwen2_5", checkpointed=True)
+    for layer in sharded.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    prompts = torch.randint(1, 101, (2, 7), generator=torch.Generator().manual_seed(rank))
+    prompts[1, :3] = 0
+    result = {"case": "rollout"}
+    gathers = []
+    # FSDP2's all-gather: all_gather_single in torch 2.13, all_gather_into_tensor before
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, name)
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return real(*args, **kwargs)
+
+    def sample(model, steps):
+        return RolloutEngine(model).generate(prompts, samples=3, max_generated_tokens=steps,
+                                             pad_id=0, rng=torch.Generator().manual_seed(5))
+    try:
+        with mock.patch.object(dist, name, counted):
+            short = sample(sharded, 4)
+            per_call = len(gathers)
+            long = sample(sharded, 12)
+    except Exception as exc:  # reported to the test, which decides
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+    same = torch.equal(long, sample(plain, 12)) and torch.equal(short, long[:, :4])
+    resharded = all(type(p).__name__ == "DTensor" for p in sharded.parameters())
+    flags = torch.tensor([int(same), int(resharded)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    result.update(same_tokens=bool(flags[0]), resharded=bool(flags[1]), gathers_short=per_call,
+                  gathers_long=len(gathers) - per_call)
+    return result
+
+
 def main():
     dist.init_process_group("gloo")
     cases = [
@@ -78,6 +123,7 @@ def main():
         run_case("root_only", per_layer=False),
         run_case("disabled", enabled=False),
         run_case("model_region", region="model"),
+        rollout_case(),
     ]
     if dist.get_rank() == 0:
         for case in cases:

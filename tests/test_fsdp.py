@@ -1,6 +1,7 @@
 """optimize() on FSDP2-sharded models: two CPU processes (gloo) under torchrun run
 tests/fsdp_worker.py; fp64 logprobs (with and without grad) and the gathered gradients of two
-accumulated micro-batches match the unsharded model row by row."""
+accumulated micro-batches match the unsharded model row by row; the rollout engine samples the
+unsharded model's tokens and gathers the weights once per rollout."""
 
 import json
 import os
@@ -48,3 +49,11 @@ def test_disabled_wrapper_runs_the_sharded_model(cases):
 
 def test_model_region_refuses_a_sharded_model(cases):
     assert "compile_region='model' cannot drive an FSDP2-sharded model" in cases["model_region"]["error"]
+
+
+def test_rollout_engine_gathers_the_weights_once_per_rollout(cases):
+    case = cases["rollout"]
+    assert "error" not in case, case["error"]
+    assert case["same_tokens"] and case["resharded"], case
+    # one all-gather per sharded module (2 layers + the root), for 3 and for 11 decode steps
+    assert case["gathers_short"] == case["gathers_long"] == 3, case
