@@ -3,7 +3,21 @@
 Importing this package must not initialise CUDA (tests/test_import.py checks it).
 """
 
-from .attention import shared_prefix_attention
+import logging as _logging
+
+
+class _KnownNoise(_logging.Filter):
+    """torchao 0.15 (torchtune's pin) logs this at import under every torch it was not built
+    for; nothing a user can act on (its Python paths work), so it is dropped."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith(
+            "Skipping import of cpp extensions due to incompatible torch version")
+
+
+_logging.getLogger("torchao").addFilter(_KnownNoise())
+
+from .attention import shared_prefix_attention  # noqa: E402
 from .config import DualKVConfig
 from .optimize import DualKVModel, optimize
 from .packing import PackedBatch, pack

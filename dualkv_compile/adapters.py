@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["adapter_for"]
+__all__ = ["HF_FAMILIES", "adapter_for"]
 
 
 def _check_head(weight_module, name: str) -> None:
@@ -56,6 +56,9 @@ class _Torchtune:
     def head(self, model, hidden):
         return model.output(hidden).float()
 
+    def vocab_size(self, model) -> int:
+        return model.tok_embeddings.num_embeddings
+
     def lm_head_weight(self, model) -> Tensor:
         out = model.output
         return out.tied_module.weight if hasattr(out, "tied_module") else out.weight
@@ -68,6 +71,15 @@ class _Torchtune:
         return mask | torch.eye(l, dtype=torch.bool, device=padding_mask.device)
 
 
+# transformers families whose causal LMs optimize() was tested on (tests/test_optimize_cpu.py)
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_HF_WHY_NOT = {
+    "gpt2": "GPT-2's learned absolute position embeddings and Conv1D projections are not "
+            "supported",
+    "bert": "BERT is a bidirectional encoder, not a causal decoder",
+}
+
+
 class _HuggingFace:
     """transformers causal LMs that call SDPA (attn_implementation="sdpa")."""
 
@@ -75,6 +87,17 @@ class _HuggingFace:
 
     def check(self, model):
         cfg = model.config
+        kind = getattr(cfg, "model_type", None)
+        if kind not in HF_FAMILIES:
+            why = _HF_WHY_NOT.get(kind, "its layers are not among those the token-locality proof "
+                                        "and the attention rewrite were tested on")
+            raise ValueError(f"optimize() cannot run {type(model).__name__} "
+                             f"(model_type={kind!r}): {why}. Supported: torchtune "
+                             "TransformerDecoder, and transformers causal LMs of model_type "
+                             f"{list(HF_FAMILIES)}")
+        if model.get_output_embeddings() is None:
+            raise ValueError(f"optimize() needs a causal LM with an LM head; "
+                             f"{type(model).__name__} has none (load the *ForCausalLM class)")
         impl = getattr(cfg, "_attn_implementation", None)
         if impl != "sdpa":
             raise ValueError(f"optimize() needs attn_implementation='sdpa', the model uses "
@@ -102,6 +125,9 @@ class _HuggingFace:
     def head(self, model, hidden):
         return model.get_output_embeddings()(hidden)
 
+    def vocab_size(self, model) -> int:
+        return model.get_input_embeddings().num_embeddings
+
     def lm_head_weight(self, model) -> Tensor:
         return model.get_output_embeddings().weight
 
@@ -125,7 +151,7 @@ def adapter_for(model: nn.Module):
     try:
         from transformers import PreTrainedModel
 
-        if isinstance(model, PreTrainedModel) and hasattr(model, "get_output_embeddings"):
+        if isinstance(model, PreTrainedModel):
             return _HuggingFace()
     except ImportError:
         pass

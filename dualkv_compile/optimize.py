@@ -20,7 +20,7 @@ from .config import DualKVConfig
 from .gather_rows import SharedRows, gather_rows
 from .layout_inputs import layout_anchor, layout_tables
 from .logprobs import chunked_logprobs, chunked_token_loss
-from .packing import PackedBatch, pack
+from .packing import PackedBatch, _as_int, as_padding_mask, pack
 from .recompiles import bounded_recompiles
 from .stats import counters
 
@@ -38,6 +38,21 @@ def optimize(model: nn.Module, config: DualKVConfig | None = None) -> "DualKVMod
     """Wrap `model` (torchtune TransformerDecoder or a transformers causal LM using SDPA) so that
     each shared prompt is computed once. See README.md."""
     return DualKVModel(model, config or DualKVConfig())
+
+
+def _check_device(model: nn.Module, config: DualKVConfig) -> None:
+    """Refuse at construction a config that cannot run where the model's weights are."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if device.type == "cuda" or not config.enabled:
+        return
+    if config.backend == "inductor":
+        raise ValueError(f"backend='inductor' cannot run this model on {device}: Inductor's "
+                         "CPU FlexAttention has no backward; use backend='auto' (aot_eager off "
+                         "CUDA) or move the model to a GPU")
+    if config.attention_backend in ("flash", "triton"):
+        raise ValueError(f"attention_backend={config.attention_backend!r} is a CUDA kernel and "
+                         f"the model is on {device}; use 'auto' (the CPU reference path there)")
 
 
 def _unwrap_refusal(exc: BaseException):
@@ -61,6 +76,7 @@ class DualKVModel(nn.Module):
         self.config = config
         self._adapter = adapter_for(model)
         self._adapter.check(model)
+        _check_device(model, config)
         self._compiled: dict[str, object] = {}
         self._backends: dict[str, DualKVBackend] = {}
         self.dense_reason: str | None = None  # set when fallback="dense" took over
@@ -179,6 +195,12 @@ class DualKVModel(nn.Module):
 
     # ---- inputs ---------------------------------------------------------------------------
     def _pack(self, tokens: Tensor, prompt_len: int, padding_mask: Tensor | None) -> PackedBatch:
+        vocab = self._adapter.vocab_size(self.model)
+        if isinstance(tokens, Tensor) and tokens.numel():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"tokens hold id {lo if lo < 0 else hi}, outside the model's "
+                                 f"vocabulary [0, {vocab})")
         return pack(tokens, prompt_len=prompt_len, padding_mask=padding_mask,
                     pad_to=self.config.pad_to, bucket_growth=self.config.bucket_growth)
 
@@ -204,7 +226,7 @@ class DualKVModel(nn.Module):
             padding_mask = kwargs.pop("attention_mask", kwargs.pop("padding_mask", None))
             positions = kwargs.pop("position_ids", None)
             kwargs.pop("use_cache", None)
-            padding_mask = None if padding_mask is None else padding_mask.bool()
+            padding_mask = None if padding_mask is None else as_padding_mask(padding_mask)
         if kwargs:
             raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
         if positions is not None:
@@ -300,7 +322,10 @@ class DualKVModel(nn.Module):
         """head(states [M, d] predicting the M valid response tokens, the LM-head weight, their
         targets [M], their flat positions [M] in [B, L - prompt_len]), run inside the model's
         forward (where FSDP2 has all-gathered the weight)."""
+        padding_mask = None if padding_mask is None else as_padding_mask(padding_mask)
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        if isinstance(prompt_len, Tensor):
+            prompt_len = _as_int("prompt_len", prompt_len)
         if tokens.dim() == 2 and prompt_len == tokens.shape[1]:  # no response columns
             self._pack(tokens, prompt_len, padding_mask)  # still validates the input
             weight = self._adapter.lm_head_weight(self.model)

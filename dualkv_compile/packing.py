@@ -182,6 +182,29 @@ def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: in
     return rank[inverse]
 
 
+def _as_int(name: str, value) -> int:
+    """An int, or a 0-d integer tensor taken as one; anything else is refused by name."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def as_padding_mask(mask: Tensor) -> Tensor:
+    """A [B, L] padding mask as bool (True = real token): bool as is, integers of 0 and 1 (the
+    transformers convention) converted; other values or dtypes refused."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() or mask.is_complex():
+        raise ValueError(f"padding_mask must be bool or integer 0/1 (1 = real token), got "
+                         f"{mask.dtype}")
+    if not ((mask == 0) | (mask == 1)).all():
+        bad = mask[(mask != 0) & (mask != 1)].unique()[:5].tolist()
+        raise ValueError(f"padding_mask must hold only 0 and 1 (1 = real token); it holds {bad}")
+    return mask.bool()
+
+
 def pack(
     tokens: Tensor,
     *,
@@ -205,8 +228,9 @@ def pack(
     b, l = tokens.shape
     if b == 0:
         raise ValueError("tokens has no rows (B=0)")
-    if not isinstance(prompt_len, int) or not 1 <= prompt_len <= l:
-        raise ValueError(f"prompt_len={prompt_len!r} is outside [1, L={l}]")
+    prompt_len = _as_int("prompt_len", prompt_len)
+    if not 1 <= prompt_len <= l:
+        raise ValueError(f"prompt_len={prompt_len} is outside [1, L={l}]")
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to={pad_to!r} must be a positive int")
     check_bucket_growth(bucket_growth)
@@ -218,9 +242,7 @@ def pack(
         raise ValueError(
             f"padding_mask shape {tuple(padding_mask.shape)} differs from tokens shape {(b, l)}"
         )
-    elif padding_mask.dtype != torch.bool:
-        raise ValueError(f"padding_mask must be bool (True = real token), got {padding_mask.dtype}")
-    padding_mask = padding_mask.to(tokens.device)
+    padding_mask = as_padding_mask(padding_mask).to(tokens.device)
 
     p_first, p_len, p_ok = _contiguous_runs(padding_mask[:, :prompt_len])
     if not bool(p_ok.all()):

@@ -35,6 +35,8 @@ import dualkv_compile as dk
 from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
                                peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
+from dualkv_compile.rl.recipe_config import parse_checked
+from dualkv_compile.rl.run_guard import StopOnSignal, check_output_dir, load_checkpoint
 from dualkv_compile.rollout import RolloutEngine, plan_calls
 from dualkv_compile.rollout.weights import gathered_weights
 
@@ -58,10 +60,14 @@ class GRPORecipe:
         self.output_dir = Path(cfg.output_dir)
         self.history: list[dict] = []  # the logged metrics, for tests
         self.step = 0
+        self.stopped_by: int | None = None  # the signal that ended the run early
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self):
         cfg = self.cfg
+        # before any work: a checkpoint in output_dir is continued or replaced only when asked
+        check_output_dir(self._checkpoint_path(), resume=bool(cfg.resume_from_checkpoint),
+                         overwrite=bool(cfg.get("overwrite_output_dir", False)))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.task = config.instantiate(cfg.task, tokenizer=self.tokenizer)
@@ -136,9 +142,7 @@ class GRPORecipe:
 
     def _load_checkpoint(self):
         path = self._checkpoint_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"resume_from_checkpoint=true but {path} does not exist")
-        state = torch.load(path, weights_only=False, mmap=True)  # each rank maps, none copies
+        state = load_checkpoint(path, num_steps=self.cfg.num_steps)
         if len(state["rngs"]) != self.world_size:
             raise ValueError(f"{path} was written by {len(state['rngs'])} rank(s); resume it "
                              f"with the same number, not {self.world_size}")
@@ -322,6 +326,14 @@ class GRPORecipe:
         return {"mfu_useful": flops / (seconds * self.world_size * self.peak_tflops * 1e12)}
 
     def train(self):
+        """Train to num_steps. SIGINT/SIGTERM end the run after the current step with a
+        checkpoint; `stopped_by` then holds the signal (recipe_main exits 128 + it)."""
+        with StopOnSignal() as stop:
+            self._train(stop)
+        if self.stopped_by is None and self.cfg.get("save_final_checkpoint", True):
+            self.save_checkpoint()
+
+    def _train(self, stop: StopOnSignal):
         start = self.step
         bar = tqdm(range(start, self.cfg.num_steps), initial=start, total=self.cfg.num_steps,
                    desc="grpo", file=sys.stdout, dynamic_ncols=True, disable=self.rank != 0)
@@ -334,8 +346,15 @@ class GRPORecipe:
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
-        if self.cfg.get("save_final_checkpoint", True):
-            self.save_checkpoint()
+            if self.world_size > 1:  # every rank stops after the same step
+                stop.signum = int(ddp.all_max(stop.signum or 0)[0]) or None
+            if stop.signum is not None:
+                self.stopped_by = stop.signum
+                self.save_checkpoint()
+                if self.rank == 0:
+                    print(f"stopped by signal {stop.signum} after step {self.step}; "
+                          f"checkpoint in {self._checkpoint_path()}", flush=True)
+                return
 
     def cleanup(self):
         if self.metric_logger is not None:
@@ -356,12 +375,14 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-@config.parse
+@parse_checked
 def recipe_main(cfg: DictConfig) -> None:
     recipe = GRPORecipe(cfg)
     recipe.setup()
     recipe.train()
     recipe.cleanup()
+    if recipe.stopped_by is not None:
+        return 128 + recipe.stopped_by  # the exit code of a process ended by that signal
     if recipe.rank != 0:
         return
     first, last = recipe.history[:5], recipe.history[-5:]

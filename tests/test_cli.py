@@ -143,9 +143,9 @@ def test_errors_exit_2_with_one_line(argv, message, capsys):
 
 FLAGS = {
     "inspect": ["--attention-backend", "--group-size", "--groups", "--help", "--layers", "--model", "--out",
-                "--prompt-len", "--response-len", "-h"],
+                "--prompt-len", "--response-len", "-P", "-R", "-h"],
     "mask": ["--group-size", "--groups", "--help", "--out", "--pad-to", "--prompt-len",
-             "--ragged", "--response-len", "--scale", "-h"],
+             "--ragged", "--response-len", "--scale", "-P", "-R", "-h"],
     "plan": ["--gpu-memory", "--help", "--model", "--state-bytes", "-N", "-P", "-R", "-h"],
     "bench": ["--help", "-h"],
 }

@@ -44,8 +44,9 @@ def _layout(sub):
     sub.add_argument("--groups", type=_positive, default=2, help="prompts (default 2)")
     sub.add_argument("--group-size", type=_positive, default=2,
                      help="responses per prompt (default 2)")
-    sub.add_argument("--prompt-len", type=_positive, default=8, help="prompt tokens (default 8)")
-    sub.add_argument("--response-len", type=_positive, default=4,
+    sub.add_argument("--prompt-len", "-P", type=_positive, default=8,
+                     help="prompt tokens (default 8)")
+    sub.add_argument("--response-len", "-R", type=_positive, default=4,
                      help="response tokens (default 4)")
 
 

@@ -32,7 +32,20 @@ def write_png(path: Path, pixels: torch.Tensor) -> None:
     path.write_bytes(png)
 
 
+# the drawing holds [blocks, blocks] classes and an image of that many pixels a side
+MAX_BLOCKS = 4096
+
+
 def run_mask(args, out=print) -> int:
+    tokens_needed = args.groups * (args.prompt_len + args.group_size * args.response_len)
+    if tokens_needed > MAX_BLOCKS * BLOCK_SIZE:
+        from .models import CliError
+
+        raise CliError(f"--groups {args.groups} --group-size {args.group_size} "
+                       f"-P {args.prompt_len} -R {args.response_len} packs {tokens_needed:,} "
+                       f"tokens ({-(-tokens_needed // BLOCK_SIZE):,} blocks a side); the mask "
+                       f"drawing is bounded at {MAX_BLOCKS} blocks ({MAX_BLOCKS * BLOCK_SIZE:,} "
+                       "tokens): draw fewer groups or shorter sequences")
     g = torch.Generator().manual_seed(0)
     if args.ragged:
         lengths = [[int(x) for x in torch.randint(0, args.response_len + 1, (args.group_size,),

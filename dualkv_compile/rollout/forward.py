@@ -21,8 +21,8 @@ __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
 
 SUPPORTED_FAMILIES = ("torchtune TransformerDecoder (MultiHeadAttention or dualkv_compile's "
                       "Qwen3Attention)", "transformers Qwen3ForCausalLM", "Qwen2ForCausalLM",
-                      "LlamaForCausalLM")
-_HF_TYPES = ("qwen3", "qwen2", "llama")
+                      "LlamaForCausalLM", "MistralForCausalLM (no sliding window)")
+_HF_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

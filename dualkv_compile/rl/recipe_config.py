@@ -1,0 +1,279 @@
+"""Strict configuration for the GRPO recipe: every key of the YAML file and of the command-line
+overrides is checked against the recipe's schema before anything runs.
+
+An unknown or misspelled key is reported with the closest known key and where it came from (the
+file or the override); a value of the wrong type or outside its range gets one line naming it.
+Component sections (`model`, `task`, ...) are checked against the signature of their
+`_component_` where it names its parameters.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "parse_checked"]
+
+
+class ConfigError(ValueError):
+    """One or more problems in a recipe config; `problems` holds one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class Key:
+    kind: str                            # "int", "float", "bool", "str", "choice", "section"
+    check: Callable[[Any], str | None] | None = None   # returns what is wrong, or None
+    nullable: bool = False
+    choices: tuple = ()
+    required: bool = True
+
+
+def _at_least(n):
+    return lambda v: None if v >= n else f"must be >= {n}"
+
+
+def _positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+def _unit_interval(v):
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _group_size(v):
+    if v < 2:
+        return ("must be >= 2: GRPO normalises rewards within a group, so a group of one has "
+                "advantage 0 and trains nothing")
+    return None
+
+
+def _device(v):
+    import torch
+
+    if str(v).startswith("cuda") and not torch.cuda.is_available():
+        return "needs CUDA, but torch.cuda.is_available() is False on this machine; use device=cpu"
+    if not (str(v) in ("cpu", "cuda") or str(v).startswith("cuda:")):
+        return "must be 'cpu', 'cuda' or 'cuda:N'"
+    return None
+
+
+COMPONENT = Key("section")
+# the keys the recipe reads; sections hold their own keys
+GRPO_SCHEMA: dict[str, Any] = {
+    "output_dir": Key("str"),
+    "checkpoint_dir": Key("str", required=False),  # referenced by ${checkpoint_dir} in configs
+    "seed": Key("int"),
+    "device": Key("str", _device),
+    "dtype": Key("choice", choices=("fp32", "bf16", "fp64")),
+    "num_steps": Key("int", _at_least(1)),
+    "groups_per_step": Key("int", _at_least(1)),
+    "group_size": Key("int", _group_size),
+    "rollout_batch_rows": Key("int", _at_least(1), nullable=True, required=False),
+    "max_generated_tokens": Key("int", _at_least(1)),
+    "temperature": Key("float", _positive),
+    "top_k": Key("int", _at_least(1), nullable=True),
+    "top_p": Key("float", _unit_interval, nullable=True, required=False),
+    "rollout_share_prompt": Key("bool", nullable=True, required=False),
+    "rollout_steps_per_graph": Key("int", _at_least(1), required=False),
+    "micro_batch_groups": Key("int", _at_least(1)),
+    "max_grad_norm": Key("float", _positive),
+    "dynamic_sampling": Key("bool"),
+    "overlong": {"max_len": Key("int", _at_least(1)), "cache_len": Key("int", _at_least(0))},
+    "save_every": Key("int", _at_least(0)),
+    "save_final_checkpoint": Key("bool", required=False),
+    "resume_from_checkpoint": Key("bool"),
+    "overwrite_output_dir": Key("bool", required=False),
+    "enable_activation_checkpointing": Key("bool", required=False),
+    "fsdp_reshard_after_forward": Key("bool", required=False),
+    "peak_tflops": Key("float", _positive, nullable=True, required=False),
+    "dualkv": {"enabled": Key("bool"), "fallback": Key("choice", choices=("error", "dense")),
+               "attention_backend": Key("str", required=False),
+               "bucket_growth": Key("float", required=False)},
+    "tokenizer": COMPONENT, "task": COMPONENT, "model": COMPONENT, "loss": COMPONENT,
+    "optimizer": COMPONENT, "metric_logger": COMPONENT,
+    "checkpointer": Key("section", required=False),
+}
+_NULLABLE_SECTIONS = {"overlong"}
+# arguments the recipe passes itself, not the config
+_SUPPLIED = {"task": {"tokenizer"}, "optimizer": {"params"}}
+
+
+def _type_ok(key: Key, value) -> bool:
+    if key.kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if key.kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key.kind == "bool":
+        return isinstance(value, bool)
+    if key.kind == "str":
+        return isinstance(value, str)
+    if key.kind == "choice":
+        return value in key.choices
+    return True
+
+
+def _expected(key: Key) -> str:
+    if key.kind == "choice":
+        return f"one of {list(key.choices)}"
+    return {"int": "an integer", "float": "a number", "bool": "true or false",
+            "str": "a string"}[key.kind] + (" or null" if key.nullable else "")
+
+
+class _Checker:
+    def __init__(self, where: Callable[[str], str]):
+        self.where, self.problems = where, []
+
+    def bad(self, path: str, message: str):
+        self.problems.append(f"{path} ({self.where(path)}): {message}")
+
+    def unknown(self, path: str, known):
+        leaf = path.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
+        self.bad(path, f"unknown key{hint}")
+
+    def section(self, prefix: str, schema: dict, values: dict):
+        for name, value in values.items():
+            path = f"{prefix}{name}"
+            if name not in schema:
+                self.unknown(path, schema)
+                continue
+            spec = schema[name]
+            if isinstance(spec, dict):
+                if value is None and name in _NULLABLE_SECTIONS:
+                    continue
+                if not isinstance(value, dict):
+                    self.bad(path, f"must be a section of {sorted(spec)}, got {value!r}")
+                    continue
+                self.section(path + ".", spec, value)
+            elif spec.kind == "section":
+                self.component(path, value)
+            else:
+                self.value(path, spec, value)
+        for name, spec in schema.items():
+            required = spec.required if isinstance(spec, Key) else name not in _NULLABLE_SECTIONS
+            if required and name not in values:
+                self.bad(f"{prefix}{name}", "missing")
+
+    def value(self, path: str, key: Key, value):
+        if value is None:
+            if not key.nullable:
+                self.bad(path, f"is null; expected {_expected(key)}")
+            return
+        if not _type_ok(key, value):
+            self.bad(path, f"{value!r} is not {_expected(key)}")
+            return
+        problem = key.check(value) if key.check else None
+        if problem:
+            self.bad(path, f"{value!r} {problem}")
+
+    def component(self, path: str, value):
+        if not isinstance(value, dict) or "_component_" not in value:
+            self.bad(path, f"must be a section with a _component_, got {value!r}")
+            return
+        try:
+            from torchtune.config._utils import _get_component_from_path
+
+            target = _get_component_from_path(value["_component_"])
+        except Exception as e:  # noqa: BLE001 - reported as a config problem
+            self.bad(f"{path}._component_", f"{value['_component_']!r} cannot be imported "
+                                             f"({type(e).__name__}: {e})")
+            return
+        try:
+            params = inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            return
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return  # takes **kwargs: its own call will say what it refuses
+        known = set(params) - _SUPPLIED.get(path, set())
+        for name in value:
+            if name != "_component_" and name not in known:
+                self.unknown(f"{path}.{name}", known)
+
+
+def _dotted(values: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for k, v in values.items():
+        out.add(prefix + k)
+        if isinstance(v, dict):
+            out |= _dotted(v, prefix + k + ".")
+    return out
+
+
+def check_recipe_config(config: dict, *, config_file: str, overrides: list[str],
+                        schema: dict | None = None) -> None:
+    """Raise ConfigError listing every problem of `config` (the merged, resolved config as plain
+    containers); `overrides` are the command line's key=value strings, so that each problem
+    names where its key came from."""
+    overridden = {}
+    for text in overrides:
+        key = text.lstrip("~").split("=", 1)[0]
+        overridden[key] = text
+    from_file = _dotted(config)
+
+    def where(path: str) -> str:
+        for key in (path, *(path.rsplit(".", i)[0] for i in range(1, path.count(".") + 1))):
+            if key in overridden:
+                return f"command-line override {overridden[key]!r}"
+        return config_file if path in from_file else f"required by the recipe, not in {config_file}"
+
+    checker = _Checker(where)
+    checker.section("", schema or GRPO_SCHEMA, config)
+    if checker.problems:
+        raise ConfigError(checker.problems)
+
+
+def _config_path(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return "the config file"
+
+
+def parse_checked(recipe_main: Callable, schema: dict | None = None) -> Callable:
+    """torchtune's `config.parse` (YAML + key=value overrides into a DictConfig), then
+    check_recipe_config; problems go to stderr, one line each, and the process exits 2."""
+    import argparse
+    import functools
+    import sys
+
+    @functools.wraps(recipe_main)
+    def wrapper():
+        from omegaconf import OmegaConf
+        from torchtune.config._parse import TuneRecipeArgumentParser
+        from torchtune.config._utils import _merge_yaml_and_cli_args
+
+        parser = TuneRecipeArgumentParser(description=recipe_main.__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+        config_file = _config_path(sys.argv[1:])
+        try:
+            yaml_args, cli_args = parser.parse_known_args()
+            conf = _merge_yaml_and_cli_args(yaml_args, cli_args)
+            plain = OmegaConf.to_container(conf, resolve=True)
+        except Exception as e:  # noqa: BLE001 - a malformed file or override, said in one line
+            print(f"error: {config_file}: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            check_recipe_config(plain, config_file=config_file, overrides=cli_args,
+                                schema=schema)
+        except ConfigError as e:
+            for line in e.problems:
+                print(f"error: {line}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            code = recipe_main(conf)
+        except ConfigError as e:  # found while setting up (output_dir, checkpoint)
+            for line in e.problems:
+                print(f"error: {line}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(code)
+
+    return wrapper
