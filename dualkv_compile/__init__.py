@@ -19,6 +19,7 @@ _logging.getLogger("torchao").addFilter(_KnownNoise())
 
 from .attention import shared_prefix_attention  # noqa: E402
 from .config import DualKVConfig
+from .layout_plan import MicroBatchPlan, plan_micro_batches
 from .optimize import DualKVModel, optimize
 from .packing import PackedBatch, pack
 from .stats import counters
@@ -28,10 +29,12 @@ __version__ = "0.1.0"
 __all__ = [
     "DualKVConfig",
     "DualKVModel",
+    "MicroBatchPlan",
     "PackedBatch",
     "counters",
     "optimize",
     "pack",
+    "plan_micro_batches",
     "shared_prefix_attention",
     "__version__",
 ]

@@ -51,7 +51,8 @@ class GRPORecipe:
         self.device = ddp.init_distributed(cfg.device)
         self.rank, self.world_size = ddp.world()
         per_rank, rest = divmod(cfg.groups_per_step, self.world_size)
-        if rest or per_rank % cfg.micro_batch_groups:
+        by_groups = cfg.get("max_tokens_per_micro_batch") is None
+        if rest or (by_groups and per_rank % cfg.micro_batch_groups):
             raise ValueError(f"groups_per_step={cfg.groups_per_step} must split into "
                              f"{self.world_size} rank(s) x whole micro-batches of "
                              f"micro_batch_groups={cfg.micro_batch_groups}")
@@ -261,19 +262,18 @@ class GRPORecipe:
                                                 temperature=temp)
             ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
                                                    temperature=temp)
-        rows_per_mb = cfg.micro_batch_groups * cfg.group_size
-        starts = list(range(0, tokens.shape[0], rows_per_mb))
+        batches = self._micro_batches(mask, p)
         # normalisers over all ranks; FSDP averages gradients over ranks, so scale back by the
         # world size to get the gradient of the global loss
         total_tokens, total_rows = ddp.all_sum(resp_mask.sum(), tokens.shape[0])
         total_tokens = max(total_tokens, 1.0)
-        n_micro = int(ddp.all_max(len(starts))[0])
+        n_micro = int(ddp.all_max(len(batches))[0])
         loss_sum, kl_sum = 0.0, 0.0
         for i in range(n_micro):
-            # a rank with fewer kept groups (dynamic sampling) repeats its first micro-batch
-            # at weight 0, so that every rank runs the same FSDP collectives
-            rows = slice(starts[i], starts[i] + rows_per_mb) if i < len(starts) else slice(0, rows_per_mb)
-            if i >= len(starts):
+            # a rank with fewer micro-batches (dynamic sampling, a token budget) repeats its
+            # first at weight 0, so that every rank runs the same FSDP collectives
+            rows = batches[i] if i < len(batches) else batches[0]
+            if i >= len(batches):
                 weight = 0.0
             elif self.loss_fn.aggregation == "token":
                 weight = float(resp_mask[rows].sum()) / total_tokens
@@ -288,7 +288,7 @@ class GRPORecipe:
                                                  temperature=temp)
             loss.backward()
             loss_sum += float(loss.detach()) / self.world_size
-            if i < len(starts):
+            if i < len(batches):
                 stats = self.loss_fn.stats(lp, old[rows], ref[rows], resp_mask[rows])
                 kl_sum += float(stats["kl"] * resp_mask[rows].sum()) / total_tokens  # token mean
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -317,7 +317,19 @@ class GRPORecipe:
                 "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,
                 "step_time_s": step_time, "rollout_s": rollout_time,
                 "policy_update_s": update_time,
-                "peak_memory_gib": peak, **self._mfu(flops, update_time)}
+                "peak_memory_gib": peak, "compiles": float(dk.counters["graphs_compiled"]),
+                **self._mfu(flops, update_time)}
+
+    def _micro_batches(self, mask: torch.Tensor, p: int) -> list:
+        """Row selections: whole groups by `micro_batch_groups`, or by packed tokens when
+        `max_tokens_per_micro_batch` is set (dualkv_compile.plan_micro_batches)."""
+        cfg, n = self.cfg, self.cfg.group_size
+        budget = cfg.get("max_tokens_per_micro_batch")
+        if budget is None:
+            step = cfg.micro_batch_groups * n
+            return [slice(s, s + step) for s in range(0, mask.shape[0], step)]
+        plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=n, max_tokens=int(budget))
+        return [torch.tensor(rows, device=mask.device) for rows in plan.rows]
 
     def _mfu(self, flops: float, seconds: float) -> dict:
         """Useful-FLOP MFU of the policy update over all ranks (rl/flops.py says what counts)."""

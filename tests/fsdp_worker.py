@@ -114,6 +114,74 @@ def rollout_case():
     return result
 
 
+def micro_batch_case():
+    """GRPO loss gradients over token-budget micro-batches (a different number per rank, the
+    shorter rank padding with weight-0 repeats, as the recipe does) equal one micro-batch per
+    rank, on a sharded model, both aggregations."""
+    from dualkv_compile.rl import GRPOLoss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()
+    model, _ = model_pair("qwen2_5", checkpointed=False)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    groups = [[9, 5, 12], [4]][rank]
+    lengths = [[[6, 1, 11], [3, 3, 2], [14, 2, 7]], [[5, 8, 1]]][rank]
+    tokens, mask, p = make_batch(groups, lengths, vocab=99,
+                                 generator=torch.Generator().manual_seed(rank))
+    tokens = tokens % 101
+    wrapper = dk.optimize(model)
+    resp = mask[:, p:]
+    total_tokens, total_rows = (float(x) for x in _all_sum(resp.sum(), resp.shape[0]))
+    g = torch.Generator().manual_seed(7 + rank)
+    with torch.no_grad():
+        base = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    old = base + 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
+    ref = base - 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
+    adv = torch.randn(tokens.shape[0], generator=g, dtype=base.dtype)
+    result = {"case": "micro_batches"}
+    for aggregation in ("sequence", "token"):
+        loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.05,
+                           aggregation=aggregation)
+
+        def grads(batches):
+            model.zero_grad()
+            n = int(_all_max(len(batches)))
+            for i in range(n):
+                rows = batches[i] if i < len(batches) else batches[0]
+                share = 0.0 if i >= len(batches) else (
+                    int(resp[rows].sum()) / total_tokens if aggregation == "token"
+                    else resp[rows].shape[0] / total_rows)
+                token_loss = loss_fn.token_loss(old[rows], ref[rows], adv[rows], resp[rows],
+                                                scale=share * world)
+                loss, _ = wrapper.response_loss(tokens[rows], prompt_len=p,
+                                                padding_mask=mask[rows], token_loss=token_loss)
+                loss.backward()
+            return torch.cat([q.grad.full_tensor().flatten() for q in model.parameters()])
+
+        plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=26)
+        many = grads([torch.tensor(r) for r in plan.rows])
+        one = grads([torch.arange(tokens.shape[0])])
+        result[f"{aggregation}_err"] = rel_err(many, one)
+    counts = [None] * world
+    dist.all_gather_object(counts, len(plan))
+    result["micro_batches_per_rank"] = counts
+    return result
+
+
+def _all_sum(*values):
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_max(value):
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def main():
     dist.init_process_group("gloo")
     cases = [
@@ -124,6 +192,7 @@ def main():
         run_case("disabled", enabled=False),
         run_case("model_region", region="model"),
         rollout_case(),
+        micro_batch_case(),
     ]
     if dist.get_rank() == 0:
         for case in cases:

@@ -57,3 +57,11 @@ def test_rollout_engine_gathers_the_weights_once_per_rollout(cases):
     assert case["same_tokens"] and case["resharded"], case
     # one all-gather per sharded module (2 layers + the root), for 3 and for 11 decode steps
     assert case["gathers_short"] == case["gathers_long"] == 3, case
+
+
+def test_token_budget_micro_batches_match_one_micro_batch_on_two_ranks(cases):
+    case = cases["micro_batches"]
+    assert "error" not in case, case.get("error")
+    counts = case["micro_batches_per_rank"]
+    assert counts[0] != counts[1], counts  # the shorter rank pads with weight-0 repeats
+    assert case["sequence_err"] < TOL and case["token_err"] < TOL, case

@@ -366,7 +366,8 @@ class _PositionMatmul(torch.nn.Module):
 
 def test_no_response_columns_give_an_empty_result():
     model = tiny_model("qwen2_5").double()
-    tokens, mask, p = make_batch([5, 3], [[0, 0], [0]], generator=torch.Generator().manual_seed(2))
+    tokens, mask, p = make_batch([5, 3], [[0, 0], [0]], vocab=90,
+                                 generator=torch.Generator().manual_seed(2))
     assert tokens.shape[1] == p
     lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert lp.shape == (3, 0) and lp.dtype == torch.float64

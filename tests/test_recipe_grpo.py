@@ -130,3 +130,14 @@ def test_every_config_has_the_switch_and_the_overrides(config):
     assert isinstance(cfg.dualkv.enabled, bool), config.name
     for key in ("num_steps", "output_dir", "device"):  # the overrides every config takes
         assert key in cfg, (config.name, key)
+
+
+def test_micro_batches_by_token_budget_train_the_same(tmp_path):
+    """max_tokens_per_micro_batch (groups packed first-fit decreasing, here 20 tokens: some
+    groups split) gives the metrics of whole-group micro-batches; compiles are reported."""
+    by_groups = run(tmp_path, "groups", num_steps=2)
+    by_tokens = run(tmp_path, "tokens", num_steps=2, max_tokens_per_micro_batch=20)
+    for a, b in zip(by_groups.history, by_tokens.history):
+        for key in ("loss", "kl", "grad_norm", "response_logprob"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+        assert b["compiles"] >= 1

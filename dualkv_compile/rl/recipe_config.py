@@ -82,6 +82,7 @@ GRPO_SCHEMA: dict[str, Any] = {
     "rollout_share_prompt": Key("bool", nullable=True, required=False),
     "rollout_steps_per_graph": Key("int", _at_least(1), required=False),
     "micro_batch_groups": Key("int", _at_least(1)),
+    "max_tokens_per_micro_batch": Key("int", _at_least(1), nullable=True, required=False),
     "max_grad_norm": Key("float", _positive),
     "dynamic_sampling": Key("bool"),
     "overlong": {"max_len": Key("int", _at_least(1)), "cache_len": Key("int", _at_least(0))},

@@ -1,0 +1,99 @@
+"""Micro-batches of a rollout batch by packed-token budget.
+
+A GRPO batch is G groups of N rows (group-major: rows g*N .. g*N+N-1 share a prompt). Packed,
+a group costs its prompt once plus its responses: P_g + sum of R_i valid tokens. Micro-batches
+by a fixed count of groups are the wrong unit once lengths vary (attention grows with the
+square of length, padding and recompiles follow); this packs whole groups into micro-batches of
+at most `max_tokens` packed tokens, first-fit decreasing. A group larger than the budget is
+split into parts of consecutive rows, each of which pays the prompt again (logged once: the
+prompt is recomputed for every part).
+
+Any partition of the rows gives the same loss and gradients: advantages are per group and the
+old/reference logprobs are computed before, and the recipe weights each micro-batch by its
+share of the rows (sequence aggregation) or tokens (token aggregation).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .stats import counters, log_once
+
+__all__ = ["MicroBatchPlan", "plan_micro_batches"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    rows: list[list[int]]          # each micro-batch's rows of the rollout batch, in order
+    packed_tokens: list[int]       # each micro-batch's packed (valid) tokens
+    split_groups: list[int]        # groups whose rows went to more than one micro-batch
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _group_costs(padding_mask: Tensor, prompt_len: int, group_size: int):
+    """Per group: its prompt's valid tokens and each row's valid response tokens."""
+    b = padding_mask.shape[0]
+    prompts = padding_mask[::group_size, :prompt_len].sum(1).tolist()
+    responses = padding_mask[:, prompt_len:].sum(1).view(b // group_size, group_size).tolist()
+    return prompts, responses
+
+
+def _parts(group: int, prompt: int, responses: list[int], budget: int, size: int):
+    """The group as one item, or split into runs of consecutive rows within the budget:
+    (packed tokens, rows) each."""
+    first = group * size
+    if prompt + sum(responses) <= budget:
+        return [(prompt + sum(responses), list(range(first, first + size)))]
+    parts, rows, tokens = [], [], prompt
+    for i, r in enumerate(responses):
+        if prompt + r > budget:
+            raise ValueError(f"row {first + i} alone packs {prompt + r} tokens (prompt {prompt} "
+                             f"+ response {r}), over max_tokens={budget}")
+        if tokens + r > budget:
+            parts.append((tokens, rows))
+            rows, tokens = [], prompt
+        rows.append(first + i)
+        tokens += r
+    parts.append((tokens, rows))
+    return parts
+
+
+def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int,
+                       max_tokens: int) -> MicroBatchPlan:
+    """Micro-batches of the rollout batch `padding_mask [B, L]` (True = real token; columns
+    before `prompt_len` are the prompt, B a multiple of `group_size`, rows group-major), each
+    at most `max_tokens` packed tokens. Whole groups, first-fit decreasing by packed size;
+    groups over the budget are split (their prompt computed once per part, logged)."""
+    b = padding_mask.shape[0]
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be a positive int")
+    if group_size < 1 or b % group_size:
+        raise ValueError(f"{b} rows do not split into groups of group_size={group_size}")
+    prompts, responses = _group_costs(padding_mask.bool(), prompt_len, group_size)
+    items, split = [], []
+    for g, (p, rs) in enumerate(zip(prompts, responses)):
+        parts = _parts(g, p, rs, max_tokens, group_size)
+        if len(parts) > 1:
+            split.append(g)
+        items.extend(parts)
+    if split:
+        counters["groups_split"] += len(split)
+        log_once(log, logging.INFO, f"micro-batches: groups {split} exceed max_tokens="
+                 f"{max_tokens} and are split; their prompt is recomputed once per part")
+    bins: list[tuple[int, list[int]]] = []
+    for tokens, rows in sorted(items, key=lambda item: -item[0]):  # first-fit decreasing
+        for i, (used, members) in enumerate(bins):
+            if used + tokens <= max_tokens:
+                bins[i] = (used + tokens, members + rows)
+                break
+        else:
+            bins.append((tokens, list(rows)))
+    return MicroBatchPlan(rows=[sorted(members) for _, members in bins],
+                          packed_tokens=[used for used, _ in bins], split_groups=split)

@@ -1,0 +1,95 @@
+"""Micro-batches by packed-token budget (dualkv_compile.plan_micro_batches): every row exactly
+once, no micro-batch over the budget, first-fit decreasing, oversized groups split; and the
+GRPO loss and every gradient over the planned micro-batches equal the one-micro-batch result
+(CPU, float64, 1e-10), for sequence and token aggregation. The two-process case is in
+test_fsdp.py (fsdp_worker.py's "micro_batches")."""
+
+import pytest
+import torch
+
+import dualkv_compile as dk
+from dualkv_compile.rl import GRPOLoss
+from dualkv_compile.testing import make_batch, same_dtype_numerics, tiny_model
+
+TOL = 1e-10
+
+
+def batch(seed=0):
+    """4 groups of 3 rows: prompts 9, 5, 12, 3 tokens; ragged responses."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, mask, p = make_batch([9, 5, 12, 3], [[6, 1, 11], [3, 3, 0], [14, 2, 7], [1, 9, 4]],
+                                 vocab=90, generator=g)
+    return tokens, mask, p
+
+
+def test_every_row_once_within_the_budget():
+    _, mask, p = batch()
+    # packed sizes: 9+18=27, 5+6=11, 12+23=35, 3+14=17
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=40)
+    assert plan.packed_tokens == [35, 38, 17] and plan.split_groups == []
+    assert plan.rows == [[6, 7, 8], [0, 1, 2, 3, 4, 5], [9, 10, 11]]  # 35 | 27+11 | 17
+    rows = sorted(r for mb in plan.rows for r in mb)
+    assert rows == list(range(12))
+
+
+def test_a_group_over_the_budget_is_split_and_pays_its_prompt_per_part():
+    _, mask, p = batch()
+    dk.counters.clear()
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=26)
+    assert plan.split_groups == [0, 2]  # 27 and 35 tokens
+    assert max(plan.packed_tokens) <= 26 and dk.counters["groups_split"] == 2
+    assert sorted(r for mb in plan.rows for r in mb) == list(range(12))
+    # group 2 (prompt 12; responses 14, 2, 7): rows {6} and {7, 8}, each with the prompt
+    parts = [[r for r in mb if r in (6, 7, 8)] for mb in plan.rows]
+    assert sorted(x for x in parts if x) == [[6], [7, 8]]
+
+
+def test_impossible_budgets_are_named():
+    _, mask, p = batch()
+    with pytest.raises(ValueError, match=r"row 6 alone packs 26 tokens .* over max_tokens=20"):
+        dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=20)
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=0)
+    with pytest.raises(ValueError, match="do not split into groups of group_size=5"):
+        dk.plan_micro_batches(mask, prompt_len=p, group_size=5, max_tokens=100)
+
+
+def grpo_loss_and_grads(model, tokens, mask, p, batches, aggregation):
+    """The recipe's accumulation: each micro-batch's loss weighted by its share of the rows
+    (sequence) or tokens (token), through response_loss; returns (loss, flat gradient)."""
+    wrapper = dk.optimize(model)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.05, aggregation=aggregation)
+    resp = mask[:, p:]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        base = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    old = base + 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
+    ref = base - 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
+    adv = torch.randn(tokens.shape[0], generator=g, dtype=base.dtype)
+    model.zero_grad()
+    total = 0.0
+    for rows in batches:
+        share = (int(resp[rows].sum()) / int(resp.sum()) if aggregation == "token"
+                 else resp[rows].shape[0] / resp.shape[0])
+        token_loss = loss_fn.token_loss(old[rows], ref[rows], adv[rows], resp[rows],
+                                        scale=share)
+        loss, _ = wrapper.response_loss(tokens[rows], prompt_len=p, padding_mask=mask[rows],
+                                        token_loss=token_loss)
+        loss.backward()
+        total += float(loss)
+    return total, torch.cat([q.grad.flatten() for q in model.parameters()])
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+@pytest.mark.parametrize("max_tokens", [40, 26])  # whole groups; groups split
+def test_planned_micro_batches_give_the_one_micro_batch_loss_and_gradients(aggregation,
+                                                                          max_tokens):
+    tokens, mask, p = batch()
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    one = grpo_loss_and_grads(model, tokens, mask, p, [torch.arange(12)], aggregation)
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=max_tokens)
+    assert len(plan) > 2
+    many = grpo_loss_and_grads(model, tokens, mask, p, [torch.tensor(r) for r in plan.rows],
+                               aggregation)
+    assert abs(many[0] - one[0]) <= TOL * max(1.0, abs(one[0]))
+    assert (many[1] - one[1]).norm() <= TOL * one[1].norm()
