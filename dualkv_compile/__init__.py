@@ -19,7 +19,7 @@ _logging.getLogger("torchao").addFilter(_KnownNoise())
 
 from .attention import shared_prefix_attention  # noqa: E402
 from .config import DualKVConfig
-from .layout_plan import MicroBatchPlan, plan_micro_batches
+from .layout_plan import MicroBatchPlan, micro_batch_rows, plan_micro_batches
 from .optimize import DualKVModel, optimize
 from .packing import PackedBatch, pack
 from .stats import counters
@@ -32,6 +32,7 @@ __all__ = [
     "MicroBatchPlan",
     "PackedBatch",
     "counters",
+    "micro_batch_rows",
     "optimize",
     "pack",
     "plan_micro_batches",

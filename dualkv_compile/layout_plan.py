@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .stats import counters, log_once
 
-__all__ = ["MicroBatchPlan", "plan_micro_batches"]
+__all__ = ["MicroBatchPlan", "micro_batch_rows", "plan_micro_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +98,15 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
             bins.append((tokens, list(rows)))
     return MicroBatchPlan(rows=[sorted(members) for _, members in bins],
                           packed_tokens=[used for used, _ in bins], split_groups=split)
+
+
+def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int, groups: int,
+                     max_tokens: int | None) -> list:
+    """The rows of each micro-batch, as indices into the batch: `groups` whole groups each
+    (slices), or by packed-token budget when `max_tokens` is given (index tensors)."""
+    if max_tokens is None:
+        step = groups * group_size
+        return [slice(s, s + step) for s in range(0, padding_mask.shape[0], step)]
+    plan = plan_micro_batches(padding_mask, prompt_len=prompt_len, group_size=group_size,
+                              max_tokens=int(max_tokens))
+    return [torch.tensor(rows, device=padding_mask.device) for rows in plan.rows]

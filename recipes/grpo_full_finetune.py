@@ -262,7 +262,10 @@ class GRPORecipe:
                                                 temperature=temp)
             ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
                                                    temperature=temp)
-        batches = self._micro_batches(mask, p)
+        # row selections: whole groups (micro_batch_groups) or a packed-token budget
+        batches = dk.micro_batch_rows(mask, prompt_len=p, group_size=cfg.group_size,
+                                      groups=cfg.micro_batch_groups,
+                                      max_tokens=cfg.get("max_tokens_per_micro_batch"))
         # normalisers over all ranks; FSDP averages gradients over ranks, so scale back by the
         # world size to get the gradient of the global loss
         total_tokens, total_rows = ddp.all_sum(resp_mask.sum(), tokens.shape[0])
@@ -319,17 +322,6 @@ class GRPORecipe:
                 "policy_update_s": update_time,
                 "peak_memory_gib": peak, "compiles": float(dk.counters["graphs_compiled"]),
                 **self._mfu(flops, update_time)}
-
-    def _micro_batches(self, mask: torch.Tensor, p: int) -> list:
-        """Row selections: whole groups by `micro_batch_groups`, or by packed tokens when
-        `max_tokens_per_micro_batch` is set (dualkv_compile.plan_micro_batches)."""
-        cfg, n = self.cfg, self.cfg.group_size
-        budget = cfg.get("max_tokens_per_micro_batch")
-        if budget is None:
-            step = cfg.micro_batch_groups * n
-            return [slice(s, s + step) for s in range(0, mask.shape[0], step)]
-        plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=n, max_tokens=int(budget))
-        return [torch.tensor(rows, device=mask.device) for rows in plan.rows]
 
     def _mfu(self, flops: float, seconds: float) -> dict:
         """Useful-FLOP MFU of the policy update over all ranks (rl/flops.py says what counts)."""
