@@ -23,6 +23,8 @@ def test_shrunk_shape_config_runs_both_ways_and_agrees(tmp_path):
     on = run(tmp_path, "on")
     off = run(tmp_path, "off", **{"dualkv.enabled": False})
     assert on.policy.uses_dualkv and not off.policy.uses_dualkv
+    # the rollout shares the prompt K/V with dualkv on, replicates it per row with it off
+    assert on.rollout_engine.share_prompt and not off.rollout_engine.share_prompt
     for a, b in zip(on.history, off.history):
         for key in ("loss", "kl", "grad_norm", "response_logprob"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
