@@ -6,7 +6,8 @@ by a fixed count of groups are the wrong unit once lengths vary (attention grows
 square of length, padding and recompiles follow); this packs whole groups into micro-batches of
 at most `max_tokens` packed tokens, first-fit decreasing. A group larger than the budget is
 split into parts of consecutive rows, each of which pays the prompt again (logged once: the
-prompt is recomputed for every part).
+prompt is recomputed for every part); a single row over the budget gets a micro-batch of its
+own (logged once).
 
 Any partition of the rows gives the same loss and gradients: advantages are per group and the
 old/reference logprobs are computed before, and the recipe weights each micro-batch by its
@@ -54,10 +55,12 @@ def _parts(group: int, prompt: int, responses: list[int], budget: int, size: int
         return [(prompt + sum(responses), list(range(first, first + size)))]
     parts, rows, tokens = [], [], prompt
     for i, r in enumerate(responses):
-        if prompt + r > budget:
-            raise ValueError(f"row {first + i} alone packs {prompt + r} tokens (prompt {prompt} "
-                             f"+ response {r}), over max_tokens={budget}")
-        if tokens + r > budget:
+        if prompt + r > budget:  # a row alone over the budget: a micro-batch of its own
+            counters["rows_over_budget"] += 1
+            log_once(log, logging.WARNING, f"micro-batches: a row packs {prompt + r} tokens "
+                     f"(prompt {prompt} + response {r}), over max_tokens={budget}; it gets a "
+                     "micro-batch of its own")
+        if rows and tokens + r > budget:
             parts.append((tokens, rows))
             rows, tokens = [], prompt
         rows.append(first + i)
@@ -70,8 +73,9 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
                        max_tokens: int) -> MicroBatchPlan:
     """Micro-batches of the rollout batch `padding_mask [B, L]` (True = real token; columns
     before `prompt_len` are the prompt, B a multiple of `group_size`, rows group-major), each
-    at most `max_tokens` packed tokens. Whole groups, first-fit decreasing by packed size;
-    groups over the budget are split (their prompt computed once per part, logged)."""
+    at most `max_tokens` packed tokens (except a row that alone exceeds it). Whole groups,
+    first-fit decreasing by packed size; groups over the budget are split (their prompt
+    computed once per part, logged)."""
     b = padding_mask.shape[0]
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r} must be a positive int")

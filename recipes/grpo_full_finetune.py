@@ -225,7 +225,7 @@ class GRPORecipe:
             tokens, mask, lengths = self.rollout(prompts)
             rewards = self.task.rewards(tokens[:, prompts.shape[1]:],
                                         [a for a in answers for _ in range(n)])
-            if cfg.overlong:  # rewards live on the CPU
+            if cfg.get("overlong"):  # rewards live on the CPU
                 rewards = rewards + overlong_penalty(lengths.cpu(), max_len=cfg.overlong.max_len,
                                                      cache_len=cfg.overlong.cache_len)
             sampled.append(rewards)
@@ -354,7 +354,8 @@ class GRPORecipe:
                 stop.signum = int(ddp.all_max(stop.signum or 0)[0]) or None
             if stop.signum is not None:
                 self.stopped_by = stop.signum
-                self.save_checkpoint()
+                if not (self.cfg.save_every and self.step % self.cfg.save_every == 0):
+                    self.save_checkpoint()  # (unless this step's was just written)
                 if self.rank == 0:
                     print(f"stopped by signal {stop.signum} after step {self.step}; "
                           f"checkpoint in {self._checkpoint_path()}", flush=True)

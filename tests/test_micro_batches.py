@@ -44,10 +44,18 @@ def test_a_group_over_the_budget_is_split_and_pays_its_prompt_per_part():
     assert sorted(x for x in parts if x) == [[6], [7, 8]]
 
 
+def test_a_row_over_the_budget_gets_a_micro_batch_of_its_own():
+    _, mask, p = batch()
+    dk.counters.clear()
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=20)
+    assert [6] in plan.rows and dk.counters["rows_over_budget"] == 1  # 12 + 14 tokens
+    assert plan.packed_tokens[plan.rows.index([6])] == 26
+    assert sorted(r for mb in plan.rows for r in mb) == list(range(12))
+    assert all(t <= 20 for rows, t in zip(plan.rows, plan.packed_tokens) if rows != [6])
+
+
 def test_impossible_budgets_are_named():
     _, mask, p = batch()
-    with pytest.raises(ValueError, match=r"row 6 alone packs 26 tokens .* over max_tokens=20"):
-        dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=20)
     with pytest.raises(ValueError, match="max_tokens=0"):
         dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=0)
     with pytest.raises(ValueError, match="do not split into groups of group_size=5"):

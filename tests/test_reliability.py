@@ -4,6 +4,7 @@ the key, the closest known key and where it came from; no run loses or silently 
 checkpoint; unsupported models and configs are refused up front; bad inputs are named."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,19 @@ def test_typos_and_impossible_values_are_refused_before_anything_runs(tmp_path):
         assert hits and message in hits[0], (key, lines)
     assert len(lines) == len(expect), lines
     assert not (tmp_path / "run").exists()  # nothing ran
+
+
+def test_optional_sections_may_be_left_out_or_null_and_choices_are_checked(tmp_path):
+    config = tmp_path / "mine.yaml"
+    text = re.sub(r"^overlong:.*$", "", CONFIG.read_text(), flags=re.M)
+    assert "overlong:" not in text
+    config.write_text(text)
+    proc = tune(f"output_dir={tmp_path / 'run'}", "num_steps=1", "checkpointer=null",
+                "save_final_checkpoint=false", config=config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = tune(f"output_dir={tmp_path / 'run2'}", "dualkv.attention_backend=flsh")
+    assert proc.returncode == 2 and "dualkv.attention_backend (command-line override" in (
+        errors(proc)[0]) and "'flsh' is not one of" in errors(proc)[0]
 
 
 def test_an_unknown_key_in_the_file_names_the_file(tmp_path):

@@ -211,3 +211,30 @@ def test_unsupported_models_are_refused_by_name():
         RolloutEngine(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="attention='fast'"):
         RolloutEngine(model_of("qwen3"), attention="fast")
+
+
+def test_logprobs_after_an_early_stop_are_zero_on_a_reused_engine():
+    model, prompts = model_of("qwen3", seed=3, vocab=6), ragged_prompts(groups=2, vocab=6)
+    engine = RolloutEngine(model, steps_per_graph=4)
+    args = dict(samples=4, max_generated_tokens=40, pad_id=PAD, temperature=3.0,
+                return_logprobs=True)
+    engine.generate(prompts, rng=torch.Generator().manual_seed(1), **args)  # no stop: all set
+    tokens, lp = engine.generate(prompts, stop_token=EOS, rng=torch.Generator().manual_seed(3),
+                                 **args)
+    is_stop = tokens == EOS
+    after = (is_stop.cumsum(1) - is_stop.long()) > 0
+    assert after.any() and (lp[after] == 0).all() and (lp[~after] < 0).all()
+
+
+def test_a_prompt_bucket_past_the_context_is_harmless():
+    """98 prompt tokens + 2 generated fit a 100-token context; the bucket (112) does not."""
+    torch.manual_seed(0)
+    model = same_dtype_numerics(qwen3(vocab_size=VOCAB, num_layers=1, num_heads=4,
+                                      num_kv_heads=2, embed_dim=32, intermediate_dim=64,
+                                      head_dim=8, max_seq_len=100).double().eval())
+    prompts = torch.randint(2, VOCAB, (2, 98), generator=torch.Generator().manual_seed(0))
+    ours = RolloutEngine(model).generate(prompts, samples=2, max_generated_tokens=2,
+                                         pad_id=PAD, rng=torch.Generator().manual_seed(1))
+    theirs = reference_generate(model, prompts, samples=2, max_generated_tokens=2, pad_id=PAD,
+                                rng=torch.Generator().manual_seed(1))
+    assert prompt_bucket(98) > 100 and torch.equal(ours, theirs)

@@ -14,6 +14,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..attention_backend import ALL_ATTENTION_BACKENDS
+
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "parse_checked"]
 
 
@@ -94,11 +96,12 @@ GRPO_SCHEMA: dict[str, Any] = {
     "fsdp_reshard_after_forward": Key("bool", required=False),
     "peak_tflops": Key("float", _positive, nullable=True, required=False),
     "dualkv": {"enabled": Key("bool"), "fallback": Key("choice", choices=("error", "dense")),
-               "attention_backend": Key("str", required=False),
+               "attention_backend": Key("choice", choices=ALL_ATTENTION_BACKENDS,
+                                        required=False),
                "bucket_growth": Key("float", required=False)},
     "tokenizer": COMPONENT, "task": COMPONENT, "model": COMPONENT, "loss": COMPONENT,
     "optimizer": COMPONENT, "metric_logger": COMPONENT,
-    "checkpointer": Key("section", required=False),
+    "checkpointer": Key("section", nullable=True, required=False),
 }
 _NULLABLE_SECTIONS = {"overlong"}
 # arguments the recipe passes itself, not the config
@@ -154,7 +157,8 @@ class _Checker:
                     continue
                 self.section(path + ".", spec, value)
             elif spec.kind == "section":
-                self.component(path, value)
+                if value is not None or not spec.nullable:
+                    self.component(path, value)
             else:
                 self.value(path, spec, value)
         for name, spec in schema.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 from .recipe_config import ConfigError
@@ -48,19 +49,28 @@ def load_checkpoint(path: Path, *, num_steps: int) -> dict:
 
 class StopOnSignal:
     """Within: the first SIGINT or SIGTERM is recorded in `.signum` (the run finishes its step,
-    saves and exits); a second one stops at once. Outside the main thread: a no-op."""
+    saves and exits); the same signal again, at least `again_after` seconds later, stops at
+    once (a launcher or scheduler that signals every process as well as forwarding its own
+    copy delivers two at nearly the same time). Outside the main thread: a no-op.
+
+    Launchers bound the wait: torchrun (`tune run --nproc_per_node`) kills its workers 30 s
+    after forwarding a signal, so a step plus a checkpoint must fit in that time there."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, again_after: float = 2.0):
         self.signum: int | None = None
+        self.again_after = again_after
+        self._first_at = 0.0
         self._previous = {}
 
     def _handle(self, signum, frame):
-        if self.signum is not None:  # asked twice: stop now
-            signal.signal(signum, signal.SIG_DFL)
-            raise KeyboardInterrupt
-        self.signum = signum
+        if self.signum is not None:
+            if signum == self.signum and time.monotonic() - self._first_at >= self.again_after:
+                signal.signal(signum, signal.SIG_DFL)  # asked again: stop now
+                raise KeyboardInterrupt
+            return
+        self.signum, self._first_at = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
               "(send it again to stop at once)", flush=True)
 

@@ -37,6 +37,9 @@ __all__ = ["RolloutEngine"]
 
 log = logging.getLogger(__name__)
 
+# distinct compiled keys per process: call shapes x prompt buckets (8 per doubling of length)
+_KEY_LIMIT = 256
+
 
 @dataclass(eq=False)
 class _Workspace:
@@ -126,6 +129,7 @@ class RolloutEngine:
             c.step.zero_()
             c.done.zero_()
             c.out.fill_(pad_id)
+            c.logprobs.zero_()  # columns after an early stop stay 0
             draw_noise(c.noise, gen)
             logits = logits.repeat_interleave(samples, 0)
             first = sample(logits, c.noise, sampling)
@@ -215,10 +219,11 @@ class RolloutEngine:
         self.stats["compiled_functions"] += 1
 
         def call(*args):
-            # one code object serves every engine and shape key: allow one entry per key
-            with bounded_recompiles(64, "the rollout decode step",
-                                    "Each engine key (shape, sampling settings) compiles once; "
-                                    "fewer distinct prompt buckets or settings per process."):
+            # one code object serves every engine and key of the process: one entry per key
+            with bounded_recompiles(_KEY_LIMIT, "the rollout decode step",
+                                    "Each key (rows, groups, prompt bucket, T, dtype, sampling "
+                                    "settings) compiles once; use fewer distinct ones per "
+                                    "process (e.g. equal rollout_batch_rows calls)."):
                 return compiled(*args)
         return call
 
@@ -246,8 +251,8 @@ class RolloutEngine:
         if self._graph_gen is None:
             self._graph_gen = torch.Generator(ws.cache.noise.device)
         for n in sorted(needed - set(ws.graphs)):
+            warm_up(ws.step_fn, ws.cache)  # compile and autotune before, and outside, the capture
             try:
-                warm_up(ws.step_fn, ws.cache)  # compile and autotune outside the capture
                 ws.graphs[n] = StepGraph(ws.step_fn, ws.cache.decode_tensors(), ws.cache.noise,
                                          n, self._graph_gen, ws.pool)
             except Exception as e:  # noqa: BLE001 - any capture failure falls back, logged

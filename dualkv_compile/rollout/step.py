@@ -30,7 +30,9 @@ def prefill(dec, prompts: Tensor, prompt_len: Tensor, prompt_k: list[Tensor],
     return the last prompt token's logits [G, vocab]."""
     g, p = prompts.shape
     x = dec.embed(prompts)
-    positions = torch.arange(p, device=prompts.device).expand(g, p)
+    # the padding after a prompt may reach past the model's context (the capacity is bucketed):
+    # its positions are clamped, and no valid token attends to it
+    positions = torch.arange(p, device=prompts.device).clamp(max=dec.max_seq_len - 1).expand(g, p)
     rope = dec.rope(x, positions)
     for layer, pk, pv in zip(dec.layers, prompt_k, prompt_v):
         q, k, v = dec.qkv(layer, x, rope)
