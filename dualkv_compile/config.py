@@ -47,7 +47,7 @@ class DualKVConfig:
         backward (1.0 keeps all); lower values make AOTAutograd's partitioner recompute the
         rest, PyTorch's compile-time form of gradient checkpointing. The shared-prefix
         attention and its inputs are never recomputed (passes/attention_saving.py). The model's
-        own checkpointed layers work too (README: Gradient checkpointing).
+        own checkpointed layers work too (docs/api.md: Gradient checkpointing).
     compile_region: what one compiled graph spans. "model": embedding to LM head, one graph
         (fastest; the passes see everything). "layer": one graph per decoder layer, reused by
         every layer, with the embedding, final norm and LM head run eagerly; FSDP2's hooks

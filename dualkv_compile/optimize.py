@@ -36,7 +36,7 @@ RECOMPILE_LIMIT = 256
 
 def optimize(model: nn.Module, config: DualKVConfig | None = None) -> "DualKVModel":
     """Wrap `model` (torchtune TransformerDecoder or a transformers causal LM using SDPA) so that
-    each shared prompt is computed once. See README.md."""
+    each shared prompt is computed once. See docs/api.md."""
     return DualKVModel(model, config or DualKVConfig())
 
 

@@ -83,7 +83,7 @@ class GRPORecipe:
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if cfg.get("enable_activation_checkpointing", False):
             # torchtune's per-layer checkpointing; optimize() inlines the checkpointed layers and
-            # recomputes them in the backward, except the shared-prefix attention (README)
+            # recomputes them in the backward, except the shared-prefix attention (docs/api.md)
             from torchtune.modules import TransformerSelfAttentionLayer
             from torchtune.training import set_activation_checkpointing
 
