@@ -87,7 +87,7 @@ def _flex_attention(q, k, v, packed, scale, kernel_options, dynamic=False,
 
 def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
     """Whether FLASH runs as FA4's causal block-sparse call (flash_causal.py) rather than flex:
-    an eager call, FLASH chosen, on sm_90 (where it was measured and tested), no
+    an eager call, FLASH chosen, on sm_90 (the architecture it is tested on), no
     kernel_options (they configure flex), deterministic algorithms off (FA4's deterministic
     block-sparse backward needs a dq write order that only flex builds), and a block-aligned
     layout. Each reason for skipping the causal form is logged once; traced calls (inside
@@ -98,7 +98,7 @@ def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
         return False
     reason = None
     if torch.cuda.get_device_capability(q.device)[0] != 9:
-        reason = "the GPU is not sm_90, where the causal form was measured and tested"
+        reason = "the GPU is not sm_90, where the causal form is tested"
     elif kernel_options:
         reason = "kernel_options were given, and they configure flex"
     elif torch.are_deterministic_algorithms_enabled():

@@ -27,8 +27,8 @@ ATTENTION_BACKENDS = ("auto", "flash", "triton")  # the flex kernels
 # flash-attn-4's dense kernels over them)
 ALL_ATTENTION_BACKENDS = ATTENTION_BACKENDS + ("regions", "flash_regions")
 _FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
-# head dims FLASH is used for: those its GPU tests passed at. At head dim 16 FA4 4.0.0b36 returned
-# a wrong dq (relative error 1.07, H100, docs/results/gpu_attention_tests_h100.txt).
+# head dims FLASH is used for: those its GPU tests passed at (FA4 4.0.0b36 returns a wrong dq at
+# head dim 16: docs/results/gpu_attention_tests_h100.txt).
 FLASH_HEAD_DIMS = (64, 128)
 
 
@@ -61,7 +61,7 @@ def flash_status(device: torch.device, head_dim: int | None = None,
 def _resolve(requested: str, device: torch.device, head_dim: int | None,
              dtype: torch.dtype | None) -> str:
     available, reason = flash_status(device, head_dim, dtype)
-    if requested == "flash" and not available:  # FA4 gave wrong dq at head dim 16 (H100)
+    if requested == "flash" and not available:
         raise ValueError(f"attention_backend='flash' cannot run: {reason}")
     chosen = "FLASH" if requested == "flash" or (requested == "auto" and available) else "TRITON"
     # a fallback from "auto" to Triton is worth a warning (it is slower); a choice is info

@@ -31,9 +31,8 @@ def supports(logits: Tensor) -> bool:
 
 
 # Fixed, not autotuned: the block length sets the order of the summation, so autotuning in
-# each process could change the low bits of the results from run to run. Triton's autotuner
-# picked 8192 logits and 8 warps from (2048, 4), (4096, 4), (4096, 8), (8192, 8) on an H100 at
-# V = 151,936: 0.43 ms a [4096, V] bf16 chunk.
+# each process could change the low bits of the results from run to run. These are what
+# Triton's autotuner picked at Qwen's vocabulary (docs/performance.md, the LM head).
 _MAX_BLOCK, _WARPS = 8192, 8
 
 if triton is not None:

@@ -3,10 +3,9 @@ no mask_mod, for layouts whose every 128-token block lies in one segment.
 
 flex hands FA4 a mask_mod on every call, and FA4 (4.0.0b36, sm_90) then runs its forward tiles
 in plain grid order (`SingleTileScheduler`). A causal call gets the longest-first
-`SingleTileLPTScheduler` instead, which matters where the grid is a few waves long: at
-(N, P, R) = (16, 2K, 512) on an H100 the whole fwd+bwd ran 3-12% faster over three runs
-(docs/performance.md). When every block lies in one segment (prompts and responses multiples
-of 128 tokens), the shared-prefix mask is exactly "causal AND the listed blocks": off the
+`SingleTileLPTScheduler` instead, which matters where the grid is a few waves long
+(docs/performance.md has the measurements). When every block lies in one segment (prompts and
+responses multiples of 128 tokens), the shared-prefix mask is exactly "causal AND the listed blocks": off the
 diagonal a block pair is all-or-nothing, on it the pair is one segment, causal. The outputs
 then equal flex FLASH's bit for bit; the gradients differ in FA4's atomic accumulation order
 (dq, and dk/dv under GQA), as flex FLASH differs from itself.

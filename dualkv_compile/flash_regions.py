@@ -14,9 +14,8 @@ the prompt's.
 
 Why: FA4's dense non-causal backward tiles the cross region 80 x 128 (its non-causal sm_90
 configuration), where the block-sparse call that flex makes is held to 64 x 128 by its 128-row
-sparse blocks. At (32, 8K, 1K) on an H100 the cross call's fwd+bwd took 24.6 ms against 26.5 ms
-with 64-row tiles, and both calls with the merge 31.5 ms against flex FLASH's 32.6 ms
-(docs/results/attention_fa4_regions_probe_h100.json). On CPU (and for the CPU tests) the same plan
+sparse blocks; the larger tiles make the cross region's backward faster (docs/performance.md,
+"flash_regions"). On CPU (and for the CPU tests) the same plan
 runs with explicit math in the inputs' dtype, widened to at least float32.
 """
 

@@ -17,7 +17,7 @@ __all__ = ["TRITON_OPTIONS_BY_ARCH", "kernel_options_for", "validate_kernel_opti
 # missing architecture or shape runs Inductor's defaults. The FLASH backend takes none of these.
 # Never set ROWS_GUARANTEED_SAFE: although every query sees itself, a query's first visited
 # (partial) block can be fully masked for that row when a query block spans two groups or a
-# response and the padding; the unguarded online softmax then gives NaN (seen on an H100).
+# response and the padding; the unguarded online softmax then gives NaN.
 TRITON_OPTIONS_BY_ARCH: dict[tuple[int, int], dict[tuple[int, int], dict[str, object]]] = {
     # docs/results/tune_sm90_h100.md: at head dim 128 Inductor's defaults won; at head dim 64
     # 64x64 tiles won by 12.5% (GQA 1), 8.2% (GQA 4) and 8.7% (GQA 8); at head dim 256 a 64x64

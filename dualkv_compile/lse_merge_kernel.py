@@ -2,10 +2,9 @@
 
 `flash_regions._merge_into_eager` is the reference (and the CPU path). The rows' outputs are
 token-major ([L, H, D]) and their log-sum-exps head-major ([H, L], FA4's layout, a strided view
-into the [H, T] buffer). Compiled by Inductor, the transposed read of the log-sum-exps and the
-write back into the views took 1.1 ms a layer at 32,768 rows x 32 heads (H100), about four
-times what reading two outputs and writing one costs; this kernel reads each log-sum-exp once
-per (row block, head) and each output row once.
+into the [H, T] buffer). Inductor's version of the merge reads the log-sum-exps transposed
+and writes the views back in separate passes; this kernel reads each log-sum-exp once per
+(row block, head) and each output row once (docs/performance.md has the timings).
 """
 
 from __future__ import annotations

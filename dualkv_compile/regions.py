@@ -77,11 +77,6 @@ def _cudnn_forward(q, k, v, causal, scale):
     return out, lse.reshape(q.shape[:3]), aux
 
 
-# dO and O go to cuDNN's backward as the strided views they are (both slices of [1, H, T, D]
-# tensors); False copies them to contiguous first.
-_STRIDED_BACKWARD = True
-
-
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
     if aux is None:
         key = _aux_key(q, k, causal)
@@ -93,8 +88,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
                                f"{tuple(k.shape)} (causal={causal}) ran in this process before "
                                f"its backward")
     lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
-    if not _STRIDED_BACKWARD:
-        dout, out = dout.contiguous(), out.contiguous()
+    # dO and O go to cuDNN as the strided views they are (slices of [1, H, T, D] tensors)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out,
         lse.float().reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k, max_q,
@@ -102,8 +96,8 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, aux):
 
 
 # Regions with at most this many query-key pairs per head, or a single query or key, run the
-# explicit math below on CUDA: cuDNN refuses s_q = s_kv = 1 ("not supported", H100, cuDNN 9.19),
-# and a launch of a fused kernel costs more than the math at this size anyway.
+# explicit math below on CUDA: cuDNN refuses s_q = s_kv = 1 (it reports "not supported"), and
+# a fused kernel's launch costs more than the math at this size anyway.
 MATH_MAX_PAIRS = 64 * 64
 
 

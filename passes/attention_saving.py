@@ -2,8 +2,8 @@
 
 Whenever the partitioner may recompute (checkpointed regions, or an activation memory budget
 below 1), it would otherwise recompute the RoPE'd q/k in the backward, and Inductor then fuses
-that recomputation into the flex backward template's loads: measured on an H100 at 40 ms a
-layer instead of 9.8 ms (docs/results/profile_policy_update_budget05_h100.txt). This pass tags the flex forward's
+that recomputation into the flex backward template's loads, several times slower
+(docs/performance.md). This pass tags the flex forward's
 q, k, v and its outputs (out, logsumexp) MUST_SAVE, the choice torchtitan's selective
 checkpointing policy makes for dense attention: attention is computed once, and everything else
 in a checkpointed region is still recomputed.

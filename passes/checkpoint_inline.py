@@ -6,8 +6,7 @@ subgraph, which would hide each layer's attention and token-mixing ops from the 
 This pass copies every body into the parent graph and tags the copied function calls as the op
 itself would: `recompute=PREFER_RECOMPUTE` and one `ac_graph_id` per region. Tensor-method calls
 (`x.pow(2)`, `.to(...)`) are copied untagged: the partitioner still decides whether to save or
-recompute them, so a region saves somewhat more than torch.utils.checkpoint would (measured with
-this rule: docs/results/policy_update_ckpt_*). Tagging them too is a measured change for later.
+recompute them, so a region saves somewhat more than torch.utils.checkpoint would.
 Reentrant and non-reentrant checkpoints are traced alike. AOTAutograd keeps
 both tags on the aten nodes it traces from them, so the partitioner recomputes the region in the
 backward exactly as it does for the op. Selective checkpointing (a user `context_fn` policy) is

@@ -3,9 +3,9 @@ of a fixed length, a tokenizer that is only ids, and a cheap verifiable reward.
 
 With `IdTokenizer(..., eos=False)` no token ends a response, so every response runs to
 `max_generated_tokens` and each step has the shape the config names (N samples of R tokens on
-P-token prompts). With an end-of-sequence token, a random model does sample it now and then
-(seen on an H100: a step's mean response length 929 of 1024), the packed length changes, and
-the step lands in a new length bucket and recompiles, which spoils a timing.
+P-token prompts). With an end-of-sequence token, a random model does sample it now and then,
+the packed length changes, and the step lands in a new length bucket and recompiles, which
+spoils a timing.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ Two implementations with one meaning:
 - "math": explicit einsum + masked softmax in float32 (float64 stays float64); the reference
   the tests hold the other to, and the CPU path.
 - "flex": FlexAttention with the lengths as score_mods (no BlockMask), lowered by Inductor
-  inside the compiled step; CUDA only, and the default there (decoded faster than math on an
-  H100: docs/performance.md, "Rollout").
+  inside the compiled step; CUDA only, and the default there (the faster of the two:
+  docs/performance.md, "Rollout").
 """
 
 from __future__ import annotations

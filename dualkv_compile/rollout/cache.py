@@ -20,7 +20,7 @@ from torch import Tensor
 
 __all__ = ["RolloutCache", "prompt_bucket", "prompt_splits"]
 
-# split-KV pieces (group x split x kv head) to aim for: about two per SM of an H100
+# split-KV pieces (group x split x kv head) to aim for: about two per SM of a 132-SM GPU
 _TARGET_PIECES = 264
 _MIN_SPLIT = 16
 

@@ -55,8 +55,8 @@ class _Workspace:
 class RolloutEngine:
     """Shared-prompt decoding for one model (see the module docstring).
 
-    attention: "auto" (flex on CUDA: faster than math on an H100; math elsewhere), "flex" or
-        "math".
+    attention: "auto" (flex on CUDA, the faster there: docs/performance.md; math elsewhere),
+        "flex" or "math".
     compile: torch.compile the decode step (default: on CUDA).
     cuda_graphs: replay `steps_per_graph` compiled steps as one CUDA graph (default: on CUDA
         when compiling).
