@@ -71,13 +71,33 @@ class _Torchtune:
         return mask | torch.eye(l, dtype=torch.bool, device=padding_mask.device)
 
 
-# transformers families whose causal LMs optimize() was tested on (tests/test_optimize_cpu.py)
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# transformers families whose causal LMs optimize() was tested on (tests/test_optimize_cpu.py,
+# tests/test_moe_cpu.py)
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# MoE expert dispatches the token-locality proof follows: per-token expert weights gathered by the
+# routing table ("batched_mm"). "grouped_mm" sorts the tokens by expert and "eager" loops over
+# experts with data-dependent shapes; neither is followed yet.
+_MOE_DISPATCH = ("batched_mm",)
 _HF_WHY_NOT = {
     "gpt2": "GPT-2's learned absolute position embeddings and Conv1D projections are not "
             "supported",
     "bert": "BERT is a bidirectional encoder, not a causal decoder",
 }
+
+
+def _check_moe(model, cfg) -> None:
+    dispatch = getattr(cfg, "_experts_implementation", None)
+    if dispatch not in _MOE_DISPATCH:
+        raise ValueError(f"optimize() runs {type(model).__name__}'s experts with "
+                         f"_experts_implementation in {list(_MOE_DISPATCH)} only, got "
+                         f"{dispatch!r}: set model.config._experts_implementation = "
+                         "'batched_mm' (it gathers each token's expert weights, so it suits "
+                         "small models; the grouped dispatch is not supported yet)")
+    if getattr(cfg, "output_router_logits", False):
+        raise ValueError("optimize() runs the decoder body only, so the router's auxiliary "
+                         "load-balancing loss would not be computed; set "
+                         "config.output_router_logits = False (and add the loss yourself if "
+                         "you need it)")
 
 
 class _HuggingFace:
@@ -98,6 +118,8 @@ class _HuggingFace:
         if model.get_output_embeddings() is None:
             raise ValueError(f"optimize() needs a causal LM with an LM head; "
                              f"{type(model).__name__} has none (load the *ForCausalLM class)")
+        if getattr(cfg, "num_experts", 0):
+            _check_moe(model, cfg)
         impl = getattr(cfg, "_attn_implementation", None)
         if impl != "sdpa":
             raise ValueError(f"optimize() needs attn_implementation='sdpa', the model uses "

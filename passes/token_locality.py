@@ -36,7 +36,7 @@ _POINTWISE = {
     "ge", "gt", "and_", "or_", "invert", "logical_and", "logical_or", "logical_not",
     "reciprocal", "square", "erf", "iadd", "imul", "isub", "add_", "mul_", "sub_", "div_",
     "__and__", "__or__", "__invert__", "lerp", "tanh_", "sigmoid_", "gelu_", "relu_",
-    "addcmul", "requires_grad_",
+    "addcmul", "requires_grad_", "itruediv", "idiv", "div_", "truediv_",
 }
 _REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod", "all",
            "any"}
@@ -56,6 +56,10 @@ def uuid() -> str:
 class _Proof:
     def __init__(self, graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout: set):
         self.axis: dict[fx.Node, object] = {tokens: 1, positions: 1}
+        # tokens per index of the sequence axis: 1, or k where each token's rows were repeated
+        # k times in a row (MoE dispatch: repeat_interleave, a [T, k] routing table flattened)
+        self.inner: dict[fx.Node, int] = {}
+        self._inner_out: int | None = None  # set by a rule that changes it
         self.layout = layout
         self.t = example(tokens).shape[1]
         self.checked = 0
@@ -96,6 +100,24 @@ class _Proof:
                                       f"positions instead")
         return found
 
+    def inner_of(self, x) -> int:
+        return self.inner.get(x, 1) if isinstance(x, fx.Node) else 1
+
+    def topk(self, node, ax, inp):
+        dim = self.dim_arg(node, 2, "dim", inp.dim(), default=-1)[0]
+        if dim == ax:
+            self.refuse(node, "it ranks along the sequence axis")
+        return [ax, ax]
+
+    def repeat_interleave(self, node, ax, inp):
+        repeats = node.kwargs.get("repeats", node.args[1] if len(node.args) > 1 else None)
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        if dim is None or isinstance(repeats, fx.Node) or not isinstance(repeats, int):
+            self.refuse(node, "only a constant repeat count along a named dim has a rule")
+        if dim % inp.dim() == ax:  # each token's rows stay together, `repeats` times as many
+            self._inner_out = self.inner_of(node.args[0]) * repeats
+        return ax
+
     def reduce(self, node, ax, inp):
         dims = self.dim_arg(node, 1, "dim", inp.dim())
         if dims is None or ax in dims:
@@ -104,9 +126,17 @@ class _Proof:
         return ax if keep else ax - sum(d < ax for d in dims)
 
     def view(self, node, ax, inp, out):
-        prefix = math.prod(inp.shape[:ax])
+        """A row-major reshape keeps every element's token; the sequence axis of the output is
+        the one whose index alone still names the token: the same elements before it, and the
+        elements after it within one token's block (merging the axis with the dims after it
+        groups `inner` indices per token; splitting such a group back restores 1)."""
+        prefix, inner = math.prod(inp.shape[:ax]), self.inner_of(node.args[0])
+        block = inner * math.prod(inp.shape[ax + 1:])  # elements of one token, from the axis on
         for j in range(out.dim()):
-            if math.prod(out.shape[:j]) == prefix and out.shape[j] == inp.shape[ax]:
+            after = math.prod(out.shape[j + 1:])
+            if math.prod(out.shape[:j]) == prefix and block % after == 0 and (
+                    out.shape[j] == self.t * (block // after)):
+                self._inner_out = block // after
                 return j
         self.refuse(node, f"it merges or splits the sequence axis ({tuple(inp.shape)} -> "
                           f"{tuple(out.shape)})")
@@ -200,9 +230,15 @@ class _Proof:
         a, b = node.args[0], node.args[1]
         ea, eb = example(a), example(b)
         ta, tb = self.tok(a), self.tok(b)
-        if ta is not None and tb is not None:
-            self.refuse(node, "both operands carry tokens (attention written by hand?)")
         out = example(node)
+        if ta is not None and tb is not None:
+            # a per-token batched product (MoE experts: each token's rows times its experts'
+            # weights) pairs the operands along one batch axis; anything else mixes tokens
+            ba, bb = out.dim() - (ea.dim() - ta), out.dim() - (eb.dim() - tb)
+            if (ba != bb or ta >= ea.dim() - 2 or tb >= eb.dim() - 2
+                    or self.inner_of(a) != self.inner_of(b)):
+                self.refuse(node, "both operands carry tokens (attention written by hand?)")
+            return ba
         if ta is not None:
             if ta == ea.dim() - 1:
                 self.refuse(node, "it contracts over the sequence axis")
@@ -245,6 +281,8 @@ class _Proof:
         if isinstance(out, (list, tuple)):
             if name in ("chunk", "split", "tensor_split", "unbind") and ax is not None:
                 return self.split(node, ax, inp, out)
+            if name == "topk" and ax is not None and not any(a is not first for a in carried):
+                return self.topk(node, ax, inp)
             self.refuse(node, "no rule for this multi-output op")
         if name in _POINTWISE:
             return self.pointwise(node, out)
@@ -277,6 +315,8 @@ class _Proof:
             return ax
         if name in _VIEWS:
             return self.view(node, ax, inp, out)
+        if name == "repeat_interleave":
+            return self.repeat_interleave(node, ax, inp)
         if name in _EXPANDS:
             return ax + out.dim() - inp.dim()
         if name in ("transpose", "swapaxes", "swapdims", "permute", "t"):
@@ -285,13 +325,27 @@ class _Proof:
 
     def run(self, graph: fx.Graph):
         for node in graph.nodes:
+            self._inner_out = None
             ax = self.visit(node)
             if ax is not None:
                 self.axis[node] = ax
+                inner = self._inner_out if self._inner_out is not None else self._common_inner(node)
+                if inner != 1:
+                    self.inner[node] = inner
                 out = example(node)
-                if isinstance(out, Tensor) and isinstance(ax, int) and out.shape[ax] != self.t:
+                if isinstance(out, Tensor) and isinstance(ax, int) and out.shape[ax] != self.t * inner:
                     self.refuse(node, f"lost track of the sequence axis (axis {ax} of "
-                                      f"{tuple(out.shape)} is not T={self.t})")
+                                      f"{tuple(out.shape)} is not T={self.t} x {inner})")
+
+    def _common_inner(self, node) -> int:
+        """An op without a rule for grouped tokens keeps its operands' grouping, which must
+        agree (tokens of different groupings would be paired wrongly)."""
+        inners = {self.inner_of(a) for a in node.all_input_nodes if self.tok(a) is not None}
+        if len(inners) > 1:
+            self.refuse(node, f"its operands group their tokens differently ({sorted(inners)})")
+        if inners and inners != {1} and _is_attention(node):
+            self.refuse(node, "attention over grouped tokens")
+        return inners.pop() if inners else 1
 
 
 def _is_attention(node: fx.Node) -> bool:

@@ -1,0 +1,128 @@
+"""Mixture-of-experts models through optimize() on CPU in float64: transformers' Qwen3-MoE with
+the per-token expert dispatch ("batched_mm"): logprobs and every parameter gradient, router and
+experts included, equal the plain model run row by row, over several groups, ragged responses
+and GQA. Routing is per token, so computing a shared prompt once is exact for MoE layers too.
+Dispatches the proof does not follow, and the auxiliary router loss, are refused by name."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dualkv_compile as dk
+from dualkv_compile.testing import (make_batch, rel_err, row_by_row_response_logprobs,
+                                    same_dtype_numerics)
+
+tf = pytest.importorskip("transformers")
+TOL = 1e-10
+
+
+def _router_forward_wide(self, hidden):
+    """Qwen3MoeTopKRouter.forward with the softmax in the input's dtype (transformers computes
+    it in float32 even for a float64 model; a float32 rounding would hide 1e-16 differences
+    behind 1e-7 ones)."""
+    hidden = hidden.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden, self.weight)
+    top, index = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), index
+
+
+def moe(seed=0, dispatch="batched_mm", **overrides):
+    cfg = tf.Qwen3MoeConfig(vocab_size=60, hidden_size=16, intermediate_size=32,
+                            moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=4, **overrides)
+    cfg._experts_implementation = dispatch
+    torch.manual_seed(seed)
+    model = tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa").double()
+    model = same_dtype_numerics(model)
+    for layer in model.model.layers:
+        layer.mlp.gate.forward = types.MethodType(_router_forward_wide, layer.mlp.gate)
+    return model.eval()
+
+
+def test_qwen3_moe_logprobs_and_every_gradient_equal_the_plain_model():
+    packed_model, plain = moe(), moe()
+    tokens, mask, p = make_batch([7, 3, 5], [[4, 2, 6], [3], [1, 5]], vocab=50,
+                                 generator=torch.Generator().manual_seed(0))
+    dk.counters.clear()
+    lp = dk.optimize(packed_model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert dk.counters["attention_rewritten"] == 2 and dk.counters.get("dense_fallback", 0) == 0
+    weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)
+    (lp * weights).sum().backward()
+    ref = row_by_row_response_logprobs(plain, tokens, mask, p)
+    (ref * weights).sum().backward()
+    assert rel_err(lp.detach(), ref.detach()) < TOL
+    names = []
+    for (name, a), b in zip(packed_model.named_parameters(), plain.parameters()):
+        assert rel_err(a.grad, b.grad) < TOL, name
+        names.append(name)
+    assert any("mlp.gate" in n for n in names) and any("experts" in n for n in names)
+
+
+@pytest.mark.parametrize("dispatch", ["grouped_mm", "eager"])
+def test_dispatches_the_proof_does_not_follow_are_refused(dispatch):
+    with pytest.raises(ValueError, match=f"got '{dispatch}': set model.config"):
+        dk.optimize(moe(dispatch=dispatch))
+
+
+def test_the_auxiliary_router_loss_is_refused():
+    with pytest.raises(ValueError, match="load-balancing loss would not be computed"):
+        dk.optimize(moe(output_router_logits=True))
+
+
+class _Grouped(torch.nn.Module):
+    """An MLP wrapper that repeats each token's row k times (as MoE dispatch does), then runs
+    `mix` over the grouped rows and folds them back: token-local or not, depending on `mix`."""
+
+    def __init__(self, inner, mix, k=2):
+        super().__init__()
+        self.inner, self.mix, self.k = inner, mix, k
+
+    def forward(self, x):
+        b, t, d = x.shape
+        rows = x.reshape(-1, d).repeat_interleave(self.k, dim=0)  # [T * k, d]
+        rows = self.mix(rows, t)
+        return self.inner(rows.view(b * t, self.k, d).sum(1).view(b, t, d))
+
+
+def _per_token_outer(rows, t):  # each row times itself: local
+    return torch.bmm(rows.unsqueeze(2), rows.unsqueeze(1)).sum(-1)
+
+
+def _across_rows(rows, t):  # every row against every row: mixes tokens
+    return rows.T.matmul(rows).sum(0).expand_as(rows)
+
+
+def _regrouped(rows, t):  # [T*k, d] read as [k, T, d]: pairs rows of different tokens
+    return rows.view(-1, t, rows.shape[-1]).flip(0).reshape(rows.shape)
+
+
+@pytest.mark.parametrize("mix,message", [
+    (_across_rows, "contracts over the sequence axis"),
+    (_regrouped, "merges or splits the sequence axis"),
+], ids=["across_rows", "regrouped"])
+def test_grouped_rows_that_mix_tokens_are_refused(mix, message):
+    from dualkv_compile.passes._common import Refusal
+    from dualkv_compile.testing import tiny_model
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].mlp = _Grouped(model.layers[0].mlp, mix)
+    tokens, mask, p = make_batch([7, 3], [[4, 2], [3]], vocab=90,
+                                 generator=torch.Generator().manual_seed(0))
+    with pytest.raises(Refusal, match=message):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_grouped_rows_handled_per_token_are_exact():
+    from dualkv_compile.testing import tiny_model
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].mlp = _Grouped(model.layers[0].mlp, _per_token_outer)
+    tokens, mask, p = make_batch([7, 3], [[4, 2], [3]], vocab=90,
+                                 generator=torch.Generator().manual_seed(0))
+    lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert rel_err(lp, row_by_row_response_logprobs(model, tokens, mask, p)) < TOL
