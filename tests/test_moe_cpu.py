@@ -126,3 +126,16 @@ def test_grouped_rows_handled_per_token_are_exact():
                                  generator=torch.Generator().manual_seed(0))
     lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert rel_err(lp, row_by_row_response_logprobs(model, tokens, mask, p)) < TOL
+
+
+def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe():
+    from dualkv_compile.rollout import RolloutEngine
+    from dualkv_compile.rollout.reference import reference_generate
+
+    model = moe(seed=1)
+    prompts = torch.randint(2, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+    prompts[1, :4] = 0
+    kw = dict(samples=3, max_generated_tokens=8, pad_id=0, top_p=0.9)
+    ours = RolloutEngine(model).generate(prompts, rng=torch.Generator().manual_seed(4), **kw)
+    theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(4), **kw)
+    assert torch.equal(ours, theirs)

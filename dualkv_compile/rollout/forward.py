@@ -21,8 +21,9 @@ __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
 
 SUPPORTED_FAMILIES = ("torchtune TransformerDecoder (MultiHeadAttention or dualkv_compile's "
                       "Qwen3Attention)", "transformers Qwen3ForCausalLM", "Qwen2ForCausalLM",
-                      "LlamaForCausalLM", "MistralForCausalLM (no sliding window)")
-_HF_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+                      "LlamaForCausalLM", "MistralForCausalLM (no sliding window)",
+                      "Qwen3MoeForCausalLM")
+_HF_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
