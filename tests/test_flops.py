@@ -33,3 +33,22 @@ def test_forward_flops_match_the_counted_dense_forward():
 
 def test_peak_is_unknown_off_the_gpu():
     assert peak_bf16_tflops(torch.device("cpu")) is None
+
+
+def test_moe_flops_count_a_tokens_active_experts():
+    """Qwen3-MoE: attention and router as in a dense model, the expert GEMMs at top-k of E."""
+    from dualkv_compile.models import qwen3_moe
+
+    model = qwen3_moe(vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+                      head_dim=8, moe_intermediate_dim=16, num_experts=8, experts_per_token=2)
+    p, r = 11, 5
+    packed = pack(torch.randint(1, 97, (1, p + r)), prompt_len=p)
+    d, heads, hd, kv, e, k, inter, layers = 32, 4, 8, 2, 8, 2, 16, 2
+    per_layer = (d * heads * hd * 2 + d * kv * hd * 2  # q, o and k, v projections
+                 + e * d                               # the router
+                 + k * 3 * d * inter)                  # gate, up, down of the k active experts
+    length = p + r
+    pairs = length * (length + 1) // 2
+    expected = (2 * per_layer * layers * length + 4 * heads * hd * pairs * layers
+                + 2 * 97 * d * r)
+    assert forward_flops(model, packed) == expected

@@ -16,17 +16,38 @@ __all__ = ["forward_flops", "policy_update_flops", "peak_bf16_tflops"]
 _PEAKS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0))
 
 
+def _dims(model: nn.Module):
+    """(matmul weights a token meets, layers, q heads, head dim, vocab, model dim) of a
+    torchtune decoder or a transformers causal LM. A mixture-of-experts layer's expert weights
+    (3-D: [experts, out, in]) count at the share a token meets: experts_per_token / experts."""
+    if hasattr(model, "tok_embeddings"):  # torchtune
+        layers, attn = model.layers, model.layers[0].attn
+        heads, head_dim = attn.num_heads, attn.head_dim
+        emb = model.tok_embeddings
+    else:  # transformers
+        cfg, layers = model.config, model.model.layers
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        emb = model.get_input_embeddings()
+    active = getattr(getattr(model, "config", None), "num_experts_per_tok", 0)
+    experts = getattr(getattr(model, "config", None), "num_experts", 0)
+    params = 0.0
+    for p in layers.parameters():
+        if p.dim() == 2:
+            params += p.numel()
+        elif p.dim() == 3 and experts:
+            params += p.numel() * active / experts
+    return params, len(layers), heads, head_dim, emb.num_embeddings, emb.embedding_dim
+
+
 def forward_flops(model: nn.Module, packed: PackedBatch) -> float:
-    """One forward of a torchtune decoder over `packed`: the layers' matmuls on every packed
-    token, attention on the shared-prefix pairs, the LM head at the response tokens."""
-    layers = model.layers
-    matmul_params = sum(p.numel() for p in layers.parameters() if p.dim() == 2)
-    attn = layers[0].attn
-    vocab, dim = model.tok_embeddings.num_embeddings, model.tok_embeddings.embedding_dim
+    """One forward over `packed`: the layers' matmuls on every packed token (a token's active
+    experts only), attention on the shared-prefix pairs, the LM head at the response tokens."""
+    matmul_params, layers, heads, head_dim, vocab, dim = _dims(model)
     _, pairs = packed.attention_pairs
     response_tokens = int(packed.response_lengths.sum())
     return (2.0 * matmul_params * packed.num_tokens
-            + 4.0 * attn.num_heads * attn.head_dim * pairs * len(layers)
+            + 4.0 * heads * head_dim * pairs * layers
             + 2.0 * vocab * dim * response_tokens)
 
 

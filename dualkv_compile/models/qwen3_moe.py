@@ -1,0 +1,42 @@
+"""Qwen3-MoE for the recipes: transformers' Qwen3MoeForCausalLM built from sizes, random
+weights, set up the way optimize() runs it (SDPA attention, the per-token expert dispatch,
+no auxiliary router loss in the forward).
+
+torchtune 0.6.1 has no mixture-of-experts Qwen; transformers' model is used as is (optimize()
+and the rollout engine both take transformers causal LMs).
+"""
+
+from __future__ import annotations
+
+__all__ = ["QWEN3_30B_A3B", "qwen3_moe", "qwen3_moe_tiny"]
+
+# transformers' published Qwen3-30B-A3B shape
+QWEN3_30B_A3B = dict(num_layers=48, num_heads=32, num_kv_heads=4, embed_dim=2048, head_dim=128,
+                     moe_intermediate_dim=768, num_experts=128, experts_per_token=8)
+
+
+def qwen3_moe(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+              embed_dim: int, head_dim: int, moe_intermediate_dim: int, num_experts: int,
+              experts_per_token: int, max_seq_len: int = 40960, norm_topk_prob: bool = True,
+              rope_base: float = 1_000_000.0, norm_eps: float = 1e-6, init_std: float = 0.02,
+              tie_word_embeddings: bool = False):
+    """A Qwen3-MoE causal LM (every layer sparse) with random weights drawn N(0, init_std)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=embed_dim, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        moe_intermediate_size=moe_intermediate_dim, intermediate_size=moe_intermediate_dim,
+        num_experts=num_experts, num_experts_per_tok=experts_per_token,
+        norm_topk_prob=norm_topk_prob, max_position_embeddings=max_seq_len,
+        rope_theta=rope_base, rms_norm_eps=norm_eps, initializer_range=init_std,
+        tie_word_embeddings=tie_word_embeddings, output_router_logits=False)
+    cfg._experts_implementation = "batched_mm"  # the dispatch optimize() proves token-local
+    return tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def qwen3_moe_tiny(vocab_size: int = 151936, **kw):
+    return qwen3_moe(**{"vocab_size": vocab_size, "num_layers": 2, "num_heads": 4,
+                        "num_kv_heads": 2, "embed_dim": 64, "head_dim": 16,
+                        "moe_intermediate_dim": 32, "num_experts": 4, "experts_per_token": 2,
+                        **kw})
