@@ -139,3 +139,36 @@ def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe():
     ours = RolloutEngine(model).generate(prompts, rng=torch.Generator().manual_seed(4), **kw)
     theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(4), **kw)
     assert torch.equal(ours, theirs)
+
+
+def test_the_recipe_trains_a_qwen3_moe_checkpoint_and_writes_one_transformers_reads(tmp_path):
+    """Qwen3HFCheckpointer reads a transformers Qwen3-MoE checkpoint into the recipe (built by
+    models.qwen3_moe_from_hf_config) and writes the trained weights back in its format."""
+    from omegaconf import OmegaConf
+    from test_recipe_grpo import ROOT, load_recipe
+
+    folder = tmp_path / "moe"
+    cfg = tf.Qwen3MoeConfig(vocab_size=12, hidden_size=32, intermediate_size=16,
+                            moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM._from_config(cfg).save_pretrained(folder, safe_serialization=True)
+    conf = OmegaConf.load(ROOT / "recipes" / "configs" / "tiny_moe_grpo.yaml")
+    conf.model = {"_component_": "dualkv_compile.models.qwen3_moe_from_hf_config",
+                  "path": str(folder)}
+    conf.checkpointer = {"_component_": "dualkv_compile.models.Qwen3HFCheckpointer",
+                         "checkpoint_dir": str(folder), "output_dir": str(tmp_path / "hf")}
+    for key, value in {"output_dir": str(tmp_path / "run"), "num_steps": 2}.items():
+        OmegaConf.update(conf, key, value)
+    recipe = load_recipe().GRPORecipe(conf)
+    recipe.setup()
+    source = tf.Qwen3MoeForCausalLM.from_pretrained(folder)
+    for name, value in source.state_dict().items():  # the checkpoint's weights were loaded
+        assert torch.equal(recipe.model.state_dict()[name], value), name
+    recipe.train()
+    recipe.cleanup()
+    assert recipe.history[-1]["grad_norm"] > 0
+    again = tf.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf" / "epoch_2")
+    for name, value in recipe.model.state_dict().items():  # exactly what the recipe held
+        assert torch.equal(again.state_dict()[name], value), name

@@ -15,7 +15,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from .hf_checkpoint import hf_to_ours, read_hf_state, write_hf_state
+from .hf_checkpoint import (fuse_moe_experts, hf_to_ours, read_hf_state, split_moe_experts,
+                            write_hf_state)
 
 __all__ = ["Qwen3HFCheckpointer"]
 
@@ -34,10 +35,19 @@ class Qwen3HFCheckpointer:
         if not config.is_file():
             raise FileNotFoundError(f"checkpoint_dir={str(self.checkpoint_dir)!r} has no "
                                     f"config.json")
-        self.tied = bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+        cfg = json.loads(config.read_text())
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        # Qwen3-MoE runs as transformers' own model (models.qwen3_moe): its names as they are
+        self.native = cfg.get("model_type") == "qwen3_moe"
 
     def load_checkpoint(self) -> dict:
-        return {MODEL_KEY: hf_to_ours(read_hf_state(self.checkpoint_dir), tied=self.tied)}
+        state = read_hf_state(self.checkpoint_dir)
+        if self.native:
+            state = fuse_moe_experts(state)
+            if self.tied:  # the file holds the shared embedding once
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]
+            return {MODEL_KEY: state}
+        return {MODEL_KEY: hf_to_ours(state, tied=self.tied)}
 
     def save_checkpoint(self, state_dict: dict, epoch: int,
                         intermediate_checkpoint: bool = False) -> Path:
@@ -47,7 +57,11 @@ class Qwen3HFCheckpointer:
             raise KeyError(f"save_checkpoint needs the model weights under {MODEL_KEY!r}; got "
                            f"keys {sorted(state_dict)}")
         folder = self.output_dir / f"epoch_{epoch}"
-        path = write_hf_state(state_dict[MODEL_KEY], folder)
+        state = state_dict[MODEL_KEY]
+        if self.native:
+            state = split_moe_experts({k: v for k, v in state.items()
+                                       if not (self.tied and k == "lm_head.weight")})
+        path = write_hf_state(state, folder, rename=not self.native)
         for src in self.checkpoint_dir.iterdir():  # config, generation config, tokenizer
             if src.is_file() and not src.name.startswith("model") and src.suffix in (
                     ".json", ".txt", ".model", ".jinja"):

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import torch
 from torch import nn
 
 __all__ = ["hf_to_ours", "ours_to_hf", "load_hf_checkpoint", "save_hf_checkpoint",
@@ -113,12 +114,55 @@ def save_hf_checkpoint(model: nn.Module, directory: str | Path, *, config: dict)
     (Path(directory) / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_hf_state(state: dict, directory: str | Path) -> Path:
-    """Write our state dict as transformers-named model.safetensors in `directory`."""
+def write_hf_state(state: dict, directory: str | Path, *, rename: bool = True) -> Path:
+    """Write our state dict as transformers-named model.safetensors in `directory` (a state
+    dict already in transformers' names with rename=False)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in state.items()}
-    save_file(ours_to_hf(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(ours_to_hf(state) if rename else state, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
     return directory / "model.safetensors"
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fuse_moe_experts(state: dict) -> dict:
+    """A Qwen3-MoE checkpoint's per-expert weights (experts.E.{gate,up,down}_proj.weight, the
+    file format) as the model's fused parameters: experts.gate_up_proj [E, 2I, d] (gate rows,
+    then up rows) and experts.down_proj [E, d, I]."""
+    experts: dict[str, dict[int, dict[str, object]]] = {}
+    out = {}
+    for name, value in state.items():
+        m = _EXPERT.fullmatch(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+        else:
+            out[name] = value
+    for prefix, by_index in experts.items():
+        order = [by_index[i] for i in range(len(by_index))]
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([e["gate_proj"], e["up_proj"]]) for e in order])
+        out[f"{prefix}.down_proj"] = torch.stack([e["down_proj"] for e in order])
+    return out
+
+
+def split_moe_experts(state: dict) -> dict:
+    """The inverse of fuse_moe_experts: the file format transformers writes and reads."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, half = name[: -len(".gate_up_proj")], value.shape[1] // 2
+            for i, w in enumerate(value):
+                out[f"{prefix}.{i}.gate_proj.weight"] = w[:half]
+                out[f"{prefix}.{i}.up_proj.weight"] = w[half:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for i, w in enumerate(value):
+                out[f"{prefix}.{i}.down_proj.weight"] = w
+        else:
+            out[name] = value
+    return out

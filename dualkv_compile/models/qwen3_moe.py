@@ -8,7 +8,7 @@ and the rollout engine both take transformers causal LMs).
 
 from __future__ import annotations
 
-__all__ = ["QWEN3_30B_A3B", "qwen3_moe", "qwen3_moe_tiny"]
+__all__ = ["QWEN3_30B_A3B", "qwen3_moe", "qwen3_moe_from_hf_config", "qwen3_moe_tiny"]
 
 # transformers' published Qwen3-30B-A3B shape
 QWEN3_30B_A3B = dict(num_layers=48, num_heads=32, num_kv_heads=4, embed_dim=2048, head_dim=128,
@@ -40,3 +40,16 @@ def qwen3_moe_tiny(vocab_size: int = 151936, **kw):
                         "num_kv_heads": 2, "embed_dim": 64, "head_dim": 16,
                         "moe_intermediate_dim": 32, "num_experts": 4, "experts_per_token": 2,
                         **kw})
+
+
+def qwen3_moe_from_hf_config(path: str, **overrides):
+    """A Qwen3-MoE with the shape of a transformers config.json (file or directory), set up as
+    qwen3_moe sets it up; the weights come from the checkpointer (Qwen3HFCheckpointer)."""
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(str(path), **overrides)
+    if cfg.model_type != "qwen3_moe":
+        raise ValueError(f"{path} holds a {cfg.model_type!r} config, not 'qwen3_moe'")
+    cfg.output_router_logits = False
+    cfg._experts_implementation = "batched_mm"
+    return tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
