@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.fx as fx
 from torch import Tensor
 
@@ -36,15 +37,20 @@ _POINTWISE = {
     "ge", "gt", "and_", "or_", "invert", "logical_and", "logical_or", "logical_not",
     "reciprocal", "square", "erf", "iadd", "imul", "isub", "add_", "mul_", "sub_", "div_",
     "__and__", "__or__", "__invert__", "lerp", "tanh_", "sigmoid_", "gelu_", "relu_",
-    "addcmul", "requires_grad_", "itruediv", "idiv", "div_", "truediv_",
+    "addcmul", "requires_grad_", "itruediv", "idiv",
 }
+# attributes read off a tensor: metadata (no data), or a transpose of it
+_METADATA_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
+_TRANSPOSE_ATTRS = {"T", "mT", "H", "mH"}
+# where a reduction's dims and keepdim sit among its positional arguments
+_REDUCE_ARGS = {"norm": (2, 3), "var": (1, 3), "std": (1, 3)}
 _REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod", "all",
            "any"}
 _SAME_SHAPE_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "_softmax"}
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as",
           "reshape_as"}
 _EXPANDS = {"expand", "expand_as", "broadcast_to"}
-_SHAPE_QUERIES = {"size", "dim", "numel", "getattr", "_log_api_usage_once", "is_floating_point",
+_SHAPE_QUERIES = {"size", "dim", "numel", "_log_api_usage_once", "is_floating_point",
                   "get_device"}
 _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
 
@@ -119,11 +125,33 @@ class _Proof:
         return ax
 
     def reduce(self, node, ax, inp):
-        dims = self.dim_arg(node, 1, "dim", inp.dim())
-        if dims is None or ax in dims:
+        name = op_name(node)
+        dim_pos, keep_pos = _REDUCE_ARGS.get(name, (1, 2))
+        if name in ("var", "std") and len(node.args) > 1 and isinstance(node.args[1], bool):
+            dims = None  # var(x, unbiased): over every dim
+        else:
+            dims = self.dim_arg(node, dim_pos, "dim", inp.dim())
+        if not dims or ax in dims:  # None or [] reduce every dim
             self.refuse(node, "it reduces over the sequence axis")
-        keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+        keep = node.kwargs.get("keepdim",
+                               node.args[keep_pos] if len(node.args) > keep_pos else False)
         return ax if keep else ax - sum(d < ax for d in dims)
+
+    def attribute(self, node, ax, inp, out):
+        """x.T / x.mT / x.H / x.mH (transposes); shape, dtype, ... carry no data."""
+        attr = node.args[1]
+        if not isinstance(inp, Tensor):
+            self.refuse(node, f"no rule for the attribute {attr!r} of a token-carrying value")
+        if attr in _METADATA_ATTRS or not isinstance(out, Tensor):
+            if isinstance(out, Tensor):
+                self.refuse(node, f"no rule for the tensor attribute {attr!r}")
+            return None
+        if attr not in _TRANSPOSE_ATTRS:
+            self.refuse(node, f"no rule for the tensor attribute {attr!r}")
+        n = inp.dim()
+        if attr in ("T", "H"):
+            return n - 1 - ax  # reverses every dim
+        return {n - 1: n - 2, n - 2: n - 1}.get(ax, ax)  # swaps the last two
 
     def view(self, node, ax, inp, out):
         """A row-major reshape keeps every element's token; the sequence axis of the output is
@@ -161,7 +189,13 @@ class _Proof:
             ax = self.tok(src)
             return ax[idx] if isinstance(ax, (list, tuple)) else None
         idx = idx if isinstance(idx, tuple) else (idx,)
-        consumed = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        def width(i):  # input dims an index consumes: a boolean mask, as many as it has
+            if isinstance(i, fx.Node) and isinstance(example(i), Tensor) and (
+                    example(i).dtype == torch.bool):
+                return example(i).dim()
+            return 1
+
+        consumed = sum(width(i) for i in idx if i is not None and i is not Ellipsis)
         expanded = []
         for i in idx:
             if i is Ellipsis:
@@ -179,6 +213,15 @@ class _Proof:
                 if tensor_index_seen:
                     self.refuse(node, "several tensor indices")
                 tensor_index_seen = True
+                if example(i).dtype == torch.bool:
+                    if src_ax is not None and in_dim <= src_ax < in_dim + width(i):
+                        self.refuse(node, "it masks along the sequence axis")
+                    if self.tok(i) is not None:
+                        self.refuse(node, "a mask built from token data selects a data-"
+                                          "dependent set of rows")
+                    in_dim += width(i)
+                    out_dim += 1
+                    continue
                 if in_dim == src_ax:
                     self.refuse(node, "it gathers along the sequence axis")
                 iax = self.tok(i)
@@ -244,7 +287,7 @@ class _Proof:
                 self.refuse(node, "it contracts over the sequence axis")
             ax, other = out.dim() - (ea.dim() - ta), (b, eb)
         else:
-            if eb.dim() >= 2 and tb == eb.dim() - 2:
+            if (eb.dim() >= 2 and tb == eb.dim() - 2) or eb.dim() == 1:
                 self.refuse(node, "it contracts over the sequence axis")
             ax, other = out.dim() - (eb.dim() - tb), (a, ea)
         # a batch dim of the other operand aligned with the tokens must broadcast (size 1):
@@ -274,7 +317,15 @@ class _Proof:
         ax = self.tok(first)
         if _is_attention(node):
             return [2, 2]  # (out [1, H, T, D], logsumexp [1, H, T])
-        if name in _SHAPE_QUERIES or not isinstance(out, (Tensor, list, tuple)):
+        if name == "getattr":
+            return self.attribute(node, ax, inp, out)
+        if name in _SHAPE_QUERIES:
+            return None
+        if not isinstance(out, (Tensor, list, tuple)):
+            # an op that returns nothing but reads token data writes it somewhere (setitem,
+            # copy_ into a buffer): the proof cannot follow where
+            if name in ("setitem", "__setitem__", "copy_", "index_put_", "index_copy_"):
+                self.refuse(node, "it writes token data into another tensor in place")
             return None
         if name == "getitem":
             return self.getitem(node, out)

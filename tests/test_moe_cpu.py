@@ -102,7 +102,7 @@ def _regrouped(rows, t):  # [T*k, d] read as [k, T, d]: pairs rows of different 
 
 
 @pytest.mark.parametrize("mix,message", [
-    (_across_rows, "contracts over the sequence axis"),
+    (_across_rows, "both operands carry tokens"),
     (_regrouped, "merges or splits the sequence axis"),
 ], ids=["across_rows", "regrouped"])
 def test_grouped_rows_that_mix_tokens_are_refused(mix, message):
