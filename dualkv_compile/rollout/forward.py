@@ -36,6 +36,14 @@ def _refuse(model: nn.Module, why: str) -> ValueError:
                       f"Supported: {'; '.join(SUPPORTED_FAMILIES)}")
 
 
+def _project(dec, h: Tensor, q_proj, k_proj, v_proj) -> tuple[Tensor, Tensor, Tensor]:
+    """h [b, s, d] -> q [b, s, Hq, D], k and v [b, s, Hkv, D] (before norms and RoPE)."""
+    b, s, _ = h.shape
+    return (q_proj(h).view(b, s, dec.num_heads, dec.head_dim),
+            k_proj(h).view(b, s, dec.num_kv_heads, dec.head_dim),
+            v_proj(h).view(b, s, dec.num_kv_heads, dec.head_dim))
+
+
 class _TorchtuneDecoder:
     """torchtune TransformerDecoder. MultiHeadAttention applies RoPE, then q/k norms (if any);
     Qwen3Attention normalises first, then RoPE (models/qwen3.py)."""
@@ -81,11 +89,7 @@ class _TorchtuneDecoder:
         """The residual stream x [b, s, d] entering `layer` (one of self.layers) -> q [b, s, Hq,
         D], k and v [b, s, Hkv, D], normed and rotated."""
         attn = _unwrap(layer.attn)
-        h = layer.sa_norm(x)
-        b, s, _ = h.shape
-        q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = _project(self, layer.sa_norm(x), attn.q_proj, attn.k_proj, attn.v_proj)
         if self.norm_first:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = attn.pos_embeddings(q, input_pos=positions)
@@ -140,11 +144,8 @@ class _HFDecoder:
 
     def qkv(self, layer: nn.Module, x: Tensor, cos_sin) -> tuple[Tensor, Tensor, Tensor]:
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        b, s, _ = h.shape
-        q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = _project(self, layer.input_layernorm(x), attn.q_proj, attn.k_proj,
+                           attn.v_proj)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = cos_sin
