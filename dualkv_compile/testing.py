@@ -171,8 +171,9 @@ def same_dtype_numerics(model: torch.nn.Module) -> torch.nn.Module:
 def tiny_model(family: str, *, vocab: int = 101, seed: int = 0, dim: int = 32,
                max_seq_len: int = 512) -> torch.nn.Module:
     """A small random decoder of one family: 'qwen2_5' and 'llama3_2' (torchtune builders),
-    'hf_qwen3' and 'hf_llama' (transformers, attn_implementation='sdpa'). 2 layers, 4 query
-    heads, 2 key/value heads, head dim dim // 4."""
+    'hf_qwen3' and 'hf_llama' (transformers, attn_implementation='sdpa'), 'hf_qwen3_moe'
+    (transformers' Qwen3-MoE: 4 experts, 2 active, per-token dispatch). 2 layers, 4 query heads,
+    2 key/value heads, head dim dim // 4."""
     torch.manual_seed(seed)
     if family == "qwen2_5":
         from torchtune.models.qwen2._component_builders import qwen2
@@ -184,7 +185,7 @@ def tiny_model(family: str, *, vocab: int = 101, seed: int = 0, dim: int = 32,
 
         return llama3_2(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2,
                         embed_dim=dim, intermediate_dim=2 * dim, max_seq_len=max_seq_len)
-    if family in ("hf_qwen3", "hf_llama"):
+    if family in ("hf_qwen3", "hf_llama", "hf_qwen3_moe"):
         import transformers as tf
 
         common = dict(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
@@ -193,11 +194,17 @@ def tiny_model(family: str, *, vocab: int = 101, seed: int = 0, dim: int = 32,
         if family == "hf_qwen3":
             cfg = tf.Qwen3Config(head_dim=dim // 4, **common)
             model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
+        elif family == "hf_qwen3_moe":
+            cfg = tf.Qwen3MoeConfig(head_dim=dim // 4, moe_intermediate_size=dim // 2,
+                                    num_experts=4, num_experts_per_tok=2, **common)
+            cfg._experts_implementation = "batched_mm"  # the dispatch optimize() proves local
+            model = tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
         else:
             cfg = tf.LlamaConfig(**common)
             model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
         return model.eval()
-    raise ValueError(f"unknown family {family!r}; one of qwen2_5, llama3_2, hf_qwen3, hf_llama")
+    raise ValueError(f"unknown family {family!r}; one of qwen2_5, llama3_2, hf_qwen3, hf_llama, "
+                     "hf_qwen3_moe")
 
 
 def row_by_row_logits(model, tokens: Tensor, padding_mask: Tensor) -> list[Tensor]:

@@ -67,6 +67,7 @@ def enable_checkpointing(model):
                          [(f, False, "model", "auto") for f in FAMILIES]
                          + [("hf_qwen3", True, "model", "auto"), ("qwen2_5", True, "model", "auto"),
                             ("qwen2_5", False, "layer", "auto"), ("qwen2_5", True, "layer", "auto"),
+                            ("hf_qwen3_moe", False, "model", "auto"),
                             ("hf_qwen3", False, "model", "regions"),
                             ("qwen2_5", True, "model", "regions"),
                             ("hf_qwen3", False, "model", "flash_regions"),

@@ -71,19 +71,22 @@ def test_in_place_weight_update_is_seen_without_recapture():
     assert torch.equal(after, run(RolloutEngine(m, cuda_graphs=False), p))
 
 
-def test_flex_decode_attention_error_is_the_math_paths():
+# 16 rows x 4 query heads a kv head fill one query tile of the prompt region; 32 x 4, two
+@pytest.mark.parametrize("n,r,at", [(16, 300, 123), (32, 300, 123), (32, 256, 255)])
+def test_flex_decode_attention_error_is_the_math_paths(n, r, at):
     g = torch.Generator("cuda").manual_seed(0)
-    groups, n, hq, hkv, d, plen, r = 3, 16, 32, 8, 128, 1000, 300
+    groups, hq, hkv, d, plen = 3, 32, 8, 128, 1000
     x = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
     q, pk, pv = x(groups * n, hq, d), x(groups, hkv, plen, d), x(groups, hkv, plen, d)
     rk, rv = x(groups * n, hkv, r, d), x(groups * n, hkv, r, d)
-    lens, last = torch.tensor([1000, 1, 517], device="cuda"), torch.tensor(123, device="cuda")
+    lens, last = torch.tensor([1000, 1, 517], device="cuda"), torch.tensor(at, device="cuda")
     # the cache's split layout: [G, S, Hkv, C, D], 8 splits of 125 keys
     pk, pv = (t.view(groups, hkv, 8, plen // 8, d).transpose(1, 2).contiguous() for t in (pk, pv))
     exact = decode_attention(q, pk, pv, lens, rk, rv, last, scale=d ** -0.5)
     lo = [t.bfloat16() for t in (q, pk, pv)]
     rlo = [t.bfloat16() for t in (rk, rv)]
-    flex = torch.compile(decode_attention, fullgraph=True)
+    torch._dynamo.reset()  # static shapes for each case, as the engine compiles it
+    flex = torch.compile(decode_attention, fullgraph=True, dynamic=False)
     got = flex(*lo, lens, *rlo, last, scale=d ** -0.5, implementation="flex").double()
     math = decode_attention(*lo, lens, *rlo, last, scale=d ** -0.5).double()
     err_flex, err_math = (got - exact).abs().max(), (math - exact).abs().max()

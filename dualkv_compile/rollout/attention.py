@@ -16,8 +16,8 @@ Two implementations with one meaning:
 - "math": explicit einsum + masked softmax in float32 (float64 stays float64); the reference
   the tests hold the other to, and the CPU path.
 - "flex": FlexAttention with the lengths as score_mods (no BlockMask), lowered by Inductor
-  inside the compiled step; CUDA only, and the default there (the faster of the two:
-  docs/performance.md, "Rollout").
+  (its decoding kernel) inside the compiled step; CUDA only, and the default there (the faster
+  of the two: docs/performance.md, "Rollout").
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["decode_attention", "merge_regions", "IMPLEMENTATIONS"]
+__all__ = ["decode_attention", "merge_regions", "split_lengths", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("math", "flex")
+# flex's decoding kernel puts all of a kv head's queries (rows x query heads per kv head) in
+# one tile of that many rows by default, and spills registers beyond 64 (N = 32 rows x 4 heads
+# ran 50x slower than N = 16); larger query sets are cut into tiles of 64
+_PROMPT_TILE_ROWS = 64
+_PROMPT_NUM_WARPS = 4
 
 
 def _wide(t: Tensor) -> torch.dtype:
@@ -49,10 +54,14 @@ def _merge_splits(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     return (out * weight).sum(1), total
 
 
-def _split_lengths(prompt_len: Tensor, splits: int, chunk: int) -> Tensor:
-    """[G] valid prompt keys -> [G, S] valid keys of each split."""
+def split_lengths(prompt_len: Tensor, splits: int, chunk: int) -> Tensor:
+    """[G] valid prompt keys -> [G, S] valid keys of each split of `chunk` keys."""
     starts = torch.arange(splits, device=prompt_len.device) * chunk
     return (prompt_len[:, None] - starts).clamp(0, chunk)
+
+
+def _lengths(prompt_len: Tensor, splits: int, chunk: int) -> Tensor:
+    return prompt_len if prompt_len.dim() == 2 else split_lengths(prompt_len, splits, chunk)
 
 
 def _math_region(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float):
@@ -77,7 +86,7 @@ def _math(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     # prompt: the group's N rows x rep heads on the query axis of its kv head, per split
     qp = q.view(groups, n, hkv, rep, d).permute(0, 2, 1, 3, 4).reshape(groups, 1, hkv, n * rep, d)
     qp = qp.expand(groups, splits, hkv, n * rep, d).reshape(groups * splits, hkv, n * rep, d)
-    lengths = _split_lengths(prompt_len, splits, chunk).view(groups * splits, 1, 1, 1)
+    lengths = _lengths(prompt_len, splits, chunk).reshape(groups * splits, 1, 1, 1)
     valid = torch.arange(chunk, device=q.device) < lengths
     out_p, lse_p = _math_region(qp, prompt_k.flatten(0, 1), prompt_v.flatten(0, 1), valid, scale)
     out_p, lse_p = _merge_splits(out_p.view(groups, splits, hkv, n, rep, d),
@@ -91,13 +100,19 @@ def _math(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     return merge_regions(out_p, lse_p, out_r.reshape(rows, hq, d), lse_r.reshape(rows, hq))
 
 
+def _prompt_kernel_options(queries_per_kv_head: int) -> dict:
+    """Inductor kernel options of the prompt region's flex call (decoding kernel)."""
+    tile = min(_PROMPT_TILE_ROWS, max(16, 1 << (queries_per_kv_head - 1).bit_length()))
+    return {"BLOCK_M": tile, "num_warps": _PROMPT_NUM_WARPS}
+
+
 def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     rows, hq, d = q.shape
     groups, splits, hkv, chunk, _ = prompt_k.shape
     n = rows // groups
-    lengths = _split_lengths(prompt_len, splits, chunk).flatten()
+    lengths = _lengths(prompt_len, splits, chunk).flatten()
 
     def in_prompt(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx < lengths[b], score, float("-inf"))
@@ -110,7 +125,8 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
         groups * splits, n, hq, d).transpose(1, 2)
     out_p, aux_p = flex_attention(qp, prompt_k.flatten(0, 1), prompt_v.flatten(0, 1),
                                   score_mod=in_prompt, scale=scale, enable_gqa=True,
-                                  return_aux=AuxRequest(lse=True))
+                                  return_aux=AuxRequest(lse=True),
+                                  kernel_options=_prompt_kernel_options(n * hq // hkv))
     wide = _wide(q)
     out_p, lse_p = _merge_splits(out_p.view(groups, splits, hq, n, d).to(wide),
                                  aux_p.lse.view(groups, splits, hq, n).to(wide))
@@ -128,7 +144,9 @@ def decode_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_len: 
 
     q [rows, Hq, D] (rows group-major, N = rows / G per group); prompt_k/v [G, S, Hkv, C, D]
     (the group's prompt keys in S splits of C: key j at split j // C, index j % C) with
-    prompt_len [G] valid keys each; resp_k/v [rows, Hkv, R, D] with keys 0..last valid (`last`
+    prompt_len [G] valid keys each, or [G, S] valid keys per split (split_lengths; the engine
+    passes these, computed once per rollout: computed inside the compiled step, Inductor
+    inlined them into flex's score_mod and failed to compile it for some shapes on torch 2.11); resp_k/v [rows, Hkv, R, D] with keys 0..last valid (`last`
     a 0-d tensor: the index the current token was just written at). Returns [rows, Hq, D] in
     q's dtype.
     """

@@ -1,7 +1,8 @@
 """The rollout's KV cache and decode state: static buffers, allocated once per shape.
 
 Prompt K/V are stored once per group, left padding stripped (a group's prompt starts at key 0
-and `prompt_len[g]` says how many keys are valid), split along the keys for split-KV decoding:
+and `prompt_len[g, s]` says how many keys of split s are valid), split along the keys for
+split-KV decoding:
 [G, S, Hkv, C, D] per layer, S x C = the prompt capacity (attention.py says why). Response K/V
 once per row ([rows, Hkv, R, D]). With `share_prompt=False` the prompt K/V are replicated
 per row (G = rows, one row per "group"), which is what a decoder without cascade attention
@@ -50,7 +51,7 @@ def prompt_bucket(length: int) -> int:
 class RolloutCache:
     prompt_k: list[Tensor]      # per layer [G, S, Hkv, C, D], S x C = the prompt capacity
     prompt_v: list[Tensor]
-    prompt_len: Tensor          # [G] int64: valid prompt keys per group
+    prompt_len: Tensor          # [G, S] int64: valid prompt keys per group and split
     resp_k: list[Tensor]        # per layer [rows, Hkv, R, D]
     resp_v: list[Tensor]
     row_position0: Tensor       # [rows] int64: the position of a row's first response token
@@ -75,7 +76,7 @@ class RolloutCache:
         long = dict(dtype=torch.long, device=device)
         return cls(prompt_k=kv(groups, splits, length=chunk),
                    prompt_v=kv(groups, splits, length=chunk),
-                   prompt_len=torch.ones(groups, **long),
+                   prompt_len=torch.ones(groups, splits, **long),
                    resp_k=kv(rows, length=response_capacity),
                    resp_v=kv(rows, length=response_capacity),
                    row_position0=torch.zeros(rows, **long), tokens=torch.zeros(rows, **long),

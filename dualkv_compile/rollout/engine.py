@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..recompiles import bounded_recompiles
 from ..stats import counters, log_once
-from .attention import IMPLEMENTATIONS
+from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
 from .graphs import StepGraph, warm_up, weights_fingerprint
@@ -124,7 +124,9 @@ class RolloutEngine:
             self.stats["calls"] += 1
             copies = 1 if self.share_prompt else samples
             logits = prefill(self.decoder, compact, plen, c.prompt_k, c.prompt_v, copies)
-            c.prompt_len.copy_(plen if self.share_prompt else plen.repeat_interleave(samples))
+            splits, chunk = c.prompt_k[0].shape[1], c.prompt_k[0].shape[3]
+            per_group = plen if self.share_prompt else plen.repeat_interleave(samples)
+            c.prompt_len.copy_(split_lengths(per_group, splits, chunk))
             c.row_position0.copy_(plen.repeat_interleave(samples))
             c.step.zero_()
             c.done.zero_()
