@@ -101,3 +101,33 @@ def test_planned_micro_batches_give_the_one_micro_batch_loss_and_gradients(aggre
                                aggregation)
     assert abs(many[0] - one[0]) <= TOL * max(1.0, abs(one[0]))
     assert (many[1] - one[1]).norm() <= TOL * one[1].norm()
+
+
+def test_two_hundred_steps_of_varying_lengths_compile_once_per_length_bucket():
+    # 200 rollout batches of 2-4 groups with prompt and response lengths drawn anew each step,
+    # planned into micro-batches of at most 512 packed tokens: the compiled graph is traced once
+    # per packed-length bucket a micro-batch lands in (rows, groups and lengths inside a bucket
+    # change nothing), so the compiles are bounded by the buckets at or below the budget
+    from dualkv_compile.packing import bucket_length
+
+    g = torch.Generator().manual_seed(0)
+    model = tiny_model("qwen2_5")
+    config = dk.DualKVConfig(pad_to=128, bucket_growth=1.5)
+    wrapper = dk.optimize(model, config)
+    dk.counters.clear()
+    budget, n = 512, 3
+    seen = set()
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
+    with torch.no_grad():
+        for _ in range(200):
+            groups = draw(2, 4)
+            prompts = [draw(4, 120) for _ in range(groups)]
+            responses = [[draw(1, 40) for _ in range(n)] for _ in range(groups)]
+            tokens, mask, p = make_batch(prompts, responses, vocab=90, generator=g)
+            plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=n, max_tokens=budget)
+            for rows in plan.rows:
+                wrapper.response_logprobs(tokens[rows], prompt_len=p, padding_mask=mask[rows])
+            seen.update(bucket_length(t, 128, 1.5) for t in plan.packed_tokens)
+    buckets_in_budget = {bucket_length(t, 128, 1.5) for t in range(1, budget + 1)}
+    assert seen <= buckets_in_budget and len(buckets_in_budget) == 4  # 128, 256, 384, 640
+    assert dk.counters["graphs_compiled"] == len(seen)
