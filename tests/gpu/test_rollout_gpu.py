@@ -6,7 +6,7 @@
 - The engine's bf16 logprobs against optimize().response_logprobs on the sampled tokens:
   the gap is printed (and bounded loosely; the figure goes to docs/performance.md).
 - A generator on another device is refused.
-Run: pytest -m gpu -s tests/test_rollout_gpu.py
+Run: pytest -m gpu -s tests/gpu/test_rollout_gpu.py
 """
 
 import pytest

@@ -7,7 +7,7 @@ Every check runs on the four CUDA kernels: Triton flex, FLASH (FA4), "regions" (
 two KV regions, regions.py) and "flash_regions" (FA4's dense kernels over them,
 flash_regions.py); the FA4 ones are skipped, with the reason, where flash-attn-4 is not
 installed or the GPU is not sm_90/sm_100.
-Run with `pytest -m gpu -s tests/test_attention_gpu.py` on a CUDA machine.
+Run with `pytest -m gpu -s tests/gpu/test_attention_gpu.py` on a CUDA machine.
 """
 
 import json

@@ -21,12 +21,6 @@ from dualkv_compile.testing import (
 TOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def fresh_counters():
-    dk.counters.clear()
-    torch._dynamo.reset()
-
-
 def checkpointed(family, **checkpoint_kwargs):
     model = same_dtype_numerics(tiny_model(family)).double()
     if family.startswith("hf_"):

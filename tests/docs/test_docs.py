@@ -1,7 +1,7 @@
 import re
 from pathlib import Path
 
-API = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 
 def test_api_example_runs(capsys):

@@ -4,8 +4,8 @@ on and off agree, and responses run to max_generated_tokens as the config promis
 import pytest
 import torch
 from dualkv_compile.rl import EvenTokensTask, IdTokenizer
-from test_recipe_grpo import ROOT
-from test_recipe_grpo import run as run_recipe
+from recipe_helpers import ROOT
+from recipe_helpers import run as run_recipe
 
 TINY = {"device": "cpu", "dtype": "fp32", "num_steps": 2, "group_size": 3,
         "max_generated_tokens": 6, "tokenizer.vocab_size": 300, "task.prompt_len": 20,

@@ -5,7 +5,7 @@ bf16 inputs; the fused path's error must be at most that of the same functions r
 the GPU (the path used before the kernels were fused), with 10% slack, and the two paths must
 agree with each other to float32 accuracy on the logprobs. A ragged last chunk, a temperature
 and a vocabulary that is no power of two are covered.
-Run: pytest -m gpu -s tests/test_logprobs_gpu.py
+Run: pytest -m gpu -s tests/gpu/test_logprobs_gpu.py
 """
 
 import json

@@ -1,6 +1,5 @@
 """The GRPO recipe on CPU: dualkv on vs off, TensorBoard output, resume, the `tune run` entry."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -8,30 +7,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "recipes" / "configs" / "tiny_grpo.yaml"
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location(
-        "grpo_full_finetune", ROOT / "recipes" / "grpo_full_finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run(tmp_path, name, config=CONFIG, **overrides):
-    """Set up, train and clean up the recipe on `config` with `overrides` (dotted keys)."""
-    cfg = OmegaConf.load(config)
-    cfg.output_dir = str(tmp_path / name)
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key, value)
-    recipe = load_recipe().GRPORecipe(cfg)
-    recipe.setup()
-    recipe.train()
-    recipe.cleanup()
-    return recipe
+from recipe_helpers import CONFIG, ROOT, run
 
 
 @pytest.mark.parametrize("attention_backend", ["auto", "regions"])

@@ -145,7 +145,7 @@ def test_the_recipe_trains_a_qwen3_moe_checkpoint_and_writes_one_transformers_re
     """Qwen3HFCheckpointer reads a transformers Qwen3-MoE checkpoint into the recipe (built by
     models.qwen3_moe_from_hf_config) and writes the trained weights back in its format."""
     from omegaconf import OmegaConf
-    from test_recipe_grpo import ROOT, load_recipe
+    from recipe_helpers import ROOT, load_recipe
 
     folder = tmp_path / "moe"
     cfg = tf.Qwen3MoeConfig(vocab_size=12, hidden_size=32, intermediate_size=16,

@@ -17,7 +17,7 @@ import torch
 import dualkv_compile as dk
 from dualkv_compile.testing import make_batch, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TUNE = str(Path(sys.executable).parent / "tune")
 CONFIG = ROOT / "recipes" / "configs" / "tiny_grpo.yaml"
 

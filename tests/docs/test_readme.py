@@ -1,7 +1,7 @@
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_example_runs(capsys):

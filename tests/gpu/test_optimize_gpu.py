@@ -4,7 +4,7 @@ Criterion: response logprobs and the whole parameter gradient of a GRPO-style lo
 compared with an fp32 copy of the model run row by row; the packed bf16 error must be at most
 twice the error of the plain bf16 model run row by row. Also: one compile per length bucket
 over 20 steps, and the flex kernels in Inductor's generated code.
-Run: pytest -m gpu -s tests/test_optimize_gpu.py
+Run: pytest -m gpu -s tests/gpu/test_optimize_gpu.py
 """
 
 import copy

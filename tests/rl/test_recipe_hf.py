@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 
 from dualkv_compile.rl import HFTokenizer, MathJSONLTask, final_number
 
-from test_recipe_grpo import load_recipe
+from recipe_helpers import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHARS = list(string.ascii_letters + string.digits + " +-*=?.,:#\n")
 
 

@@ -1,7 +1,7 @@
 """FLASH's causal form (flash_causal.py) rests on one claim: on a layout whose every 128-token
 block lies in one segment, "causal AND the BlockMask's listed blocks" is the shared-prefix
 mask. Checked here on CPU against the dense mask, together with the cases where it fails (and
-the form must not be used). The kernel itself runs on GPU only (tests/test_attention_gpu.py)."""
+the form must not be used). The kernel itself runs on GPU only (tests/gpu/test_attention_gpu.py)."""
 
 import pytest
 import torch

@@ -18,12 +18,6 @@ from dualkv_compile.testing import (
 TOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def fresh_counters():
-    dk.counters.clear()
-    torch._dynamo.reset()
-
-
 def batch(seed=0, vocab=101):
     g = torch.Generator().manual_seed(seed)
     tokens, mask, p = make_batch([9, 5, 1], [[6, 0, 11], [3, 3], [7]], shuffle=True,
