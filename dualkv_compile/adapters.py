@@ -72,7 +72,7 @@ class _Torchtune:
 
 
 # transformers families whose causal LMs optimize() was tested on (tests/test_optimize_cpu.py,
-# tests/test_moe_cpu.py)
+# tests/models/test_moe_cpu.py)
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # MoE expert dispatches the token-locality proof follows: per-token expert weights gathered by the
 # routing table ("batched_mm"). "grouped_mm" sorts the tokens by expert and "eager" loops over
