@@ -17,11 +17,11 @@ class _KnownNoise(_logging.Filter):
 
 _logging.getLogger("torchao").addFilter(_KnownNoise())
 
-from .attention import shared_prefix_attention  # noqa: E402
+from .attention.op import shared_prefix_attention  # noqa: E402
 from .config import DualKVConfig
-from .layout_plan import MicroBatchPlan, micro_batch_rows, plan_micro_batches
+from .layout.plan import MicroBatchPlan, micro_batch_rows, plan_micro_batches
 from .optimize import DualKVModel, optimize
-from .packing import PackedBatch, pack
+from .layout.packing import PackedBatch, pack
 from .stats import counters
 
 __version__ = "0.1.0"

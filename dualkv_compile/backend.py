@@ -18,7 +18,7 @@ import torch.fx as fx
 from dualkv_compile.passes import (attention_rewrite, attention_saving, checkpoint_inline,
                                    lm_head, position_tables, token_locality)
 
-from .kernel_options import validate_kernel_options
+from .attention.kernel_options import validate_kernel_options
 from .stats import counters, log_once
 
 __all__ = ["DualKVBackend", "pass_uuids"]

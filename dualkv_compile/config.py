@@ -6,9 +6,9 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from .attention_backend import ALL_ATTENTION_BACKENDS
-from .kernel_options import validate_kernel_options
-from .packing import check_bucket_growth
+from .attention.selection import ALL_ATTENTION_BACKENDS
+from .attention.kernel_options import validate_kernel_options
+from .layout.packing import check_bucket_growth
 
 __all__ = ["DualKVConfig"]
 

@@ -17,10 +17,10 @@ from torch import Tensor, nn
 from .adapters import adapter_for
 from .backend import DualKVBackend
 from .config import DualKVConfig
-from .gather_rows import SharedRows, gather_rows
-from .layout_inputs import layout_anchor, layout_tables
-from .logprobs import chunked_logprobs, chunked_token_loss
-from .packing import PackedBatch, _as_int, as_padding_mask, pack
+from .lm_head.gather_rows import SharedRows, gather_rows
+from .layout.inputs import layout_anchor, layout_tables
+from .lm_head.logprobs import chunked_logprobs, chunked_token_loss
+from .layout.packing import PackedBatch, _as_int, as_padding_mask, pack
 from .recompiles import bounded_recompiles
 from .stats import counters
 

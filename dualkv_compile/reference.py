@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .packing import PackedBatch
+from .layout.packing import PackedBatch
 
 __all__ = ["reference_shared_prefix_attention"]
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dualkv_compile.kernel_options import kernel_options_for
-from dualkv_compile.layout_inputs import ANCHOR
+from dualkv_compile.attention.kernel_options import kernel_options_for
+from dualkv_compile.layout.inputs import ANCHOR
 from dualkv_compile.stats import counters
 
 from ._common import Refusal, example, op_name, pass_uuid, source_line
@@ -270,9 +270,9 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
                 backend: str) -> None:
     """SDPA -> torch.ops.dualkv.regions_attention (regions.py) or, for "flash_regions",
     torch.ops.dualkv.flash_regions_attention (flash_regions.py), fed the 1-D segment tables."""
-    from dualkv_compile.attention_backend import flash_status
-    from dualkv_compile.flash_regions import flash_regions_attention_op
-    from dualkv_compile.regions import CUDNN_DTYPES, regions_attention_op
+    from dualkv_compile.attention.selection import flash_status
+    from dualkv_compile.attention.flash_regions import flash_regions_attention_op
+    from dualkv_compile.attention.regions import CUDNN_DTYPES, regions_attention_op
 
     op = flash_regions_attention_op if backend == "flash_regions" else regions_attention_op
     for node in sdpa_nodes:

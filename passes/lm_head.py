@@ -2,7 +2,7 @@
 
 The graph then returns the final hidden states [1, T, d]. The wrapper gathers only the
 positions that predict response tokens and runs the LM head there, in chunks
-(dualkv_compile.logprobs), so no [T, vocab] tensor exists.
+(dualkv_compile.lm_head.logprobs), so no [T, vocab] tensor exists.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dualkv_compile import pack
-from dualkv_compile.block_mask import BLOCK_SIZE, dense_mask
+from dualkv_compile.attention.block_mask import BLOCK_SIZE, dense_mask
 from dualkv_compile.testing import make_batch
 from dualkv_compile.tools.cli import build_parser, main
 from dualkv_compile.tools.plan_cmd import estimate

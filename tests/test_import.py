@@ -8,7 +8,7 @@ def refuse(*a, **k):
 torch.cuda._lazy_init = refuse
 torch.cuda.init = refuse
 import dualkv_compile, dualkv_compile.passes, dualkv_compile.tools
-import dualkv_compile.block_mask, dualkv_compile.kernel_options, dualkv_compile.testing
+import dualkv_compile.attention.block_mask, dualkv_compile.attention.kernel_options, dualkv_compile.testing
 assert not torch.cuda.is_initialized()
 print("ok")
 """

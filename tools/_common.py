@@ -35,7 +35,7 @@ def environment() -> dict:
 
     import triton
 
-    from dualkv_compile.attention_backend import flash_status
+    from dualkv_compile.attention.selection import flash_status
 
     try:
         flash_attn = metadata.version("flash-attn-4")

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from dualkv_compile import pack, shared_prefix_attention
-from dualkv_compile.attention import _flex_attention
-from dualkv_compile.block_mask import shared_prefix_block_mask
+from dualkv_compile.attention.op import _flex_attention
+from dualkv_compile.attention.block_mask import shared_prefix_block_mask
 from dualkv_compile.tools._common import (add_shapes_argument, environment,
                                           interleaved_medians, write_results)
 
@@ -99,7 +99,7 @@ def region_floor(n, p, r, hq, hkv, d):
 
 def ours_backends(requested: list[str], head_dim: int) -> list[str]:
     """The packed-op backends to time: each requested one that can run here."""
-    from dualkv_compile.attention_backend import flash_status
+    from dualkv_compile.attention.selection import flash_status
 
     usable = []
     for b in requested:
@@ -116,7 +116,7 @@ def flex_flash_row(pb, qp, kp, vp, gp, variants, pairs) -> dict:
     """Add `ours_flash_flex`: flex FLASH (FA4 with the mask_mod, plain tile order) on the
     packed tensors, which `ours_flash` replaces by FA4's causal form on block-aligned layouts
     (flash_causal.py); returns its row entry with its largest differences from ours_flash."""
-    from dualkv_compile.flash_causal import block_aligned
+    from dualkv_compile.attention.flash_causal import block_aligned
 
     def flex():
         return _flex_attention(qp, kp, vp, pb, None, None, attention_backend="flash")
@@ -362,7 +362,7 @@ def main(argv=None):
                          "(a diagnostic next to cuDNN, not a baseline of the speed-ups)")
     ap.add_argument("--flex-flash", action="store_true",
                     help="also time flex FLASH (the mask_mod form) where ours_flash runs FA4's "
-                         "causal form (block-aligned layouts, dualkv_compile/flash_causal.py)")
+                         "causal form (block-aligned layouts, dualkv_compile/attention/flash_causal.py)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

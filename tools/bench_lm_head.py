@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from dualkv_compile import logprobs as lp
+from dualkv_compile.lm_head import logprobs as lp
 from dualkv_compile.tools._common import environment, interleaved_medians, write_results
 
 

@@ -20,9 +20,9 @@ import json
 import torch
 
 from dualkv_compile import pack
-from dualkv_compile.attention import _flex
-from dualkv_compile.block_mask import _token_intervals, shared_prefix_block_mask
-from dualkv_compile.kernel_options import kernel_options_for
+from dualkv_compile.attention.op import _flex
+from dualkv_compile.attention.block_mask import _token_intervals, shared_prefix_block_mask
+from dualkv_compile.attention.kernel_options import kernel_options_for
 from dualkv_compile.recompiles import bounded_recompiles
 from dualkv_compile.tools._common import (add_shapes_argument, environment,
                                           interleaved_medians, write_results)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 import dualkv_compile as dk
-from dualkv_compile.attention_backend import ALL_ATTENTION_BACKENDS
+from dualkv_compile.attention.selection import ALL_ATTENTION_BACKENDS
 from dualkv_compile.tools._common import add_shapes_argument, environment, write_results
 
 DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]

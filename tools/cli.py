@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..attention_backend import ALL_ATTENTION_BACKENDS
+from ..attention.selection import ALL_ATTENTION_BACKENDS
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError

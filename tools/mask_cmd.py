@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 import dualkv_compile as dk
-from dualkv_compile.block_mask import BLOCK_SIZE, block_classes
-from dualkv_compile.flash_causal import block_aligned
+from dualkv_compile.attention.block_mask import BLOCK_SIZE, block_classes
+from dualkv_compile.attention.flash_causal import block_aligned
 from dualkv_compile.testing import make_batch
 
 __all__ = ["run_mask", "write_png"]

@@ -6,7 +6,7 @@ For each head dim and GQA ratio (bf16, 32 query heads), on one packed layout: ti
 alone for each forward candidate (block sizes, warps, stages, TMA), then forward + backward with
 the best forward for each backward candidate. A candidate is kept only if it beats Inductor's
 defaults by more than --min-gain; the result is printed as the entry of
-dualkv_compile.kernel_options.TRITON_OPTIONS_BY_ARCH for this architecture, and written with
+dualkv_compile.attention.kernel_options.TRITON_OPTIONS_BY_ARCH for this architecture, and written with
 every timing to OUT.json. Candidates that fail to compile (shared memory) are recorded as such.
 """
 
@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from dualkv_compile import pack, shared_prefix_attention
-from dualkv_compile.kernel_options import validate_kernel_options
+from dualkv_compile.attention.kernel_options import validate_kernel_options
 from dualkv_compile.tools._common import environment, interleaved_medians
 
 FWD_CANDIDATES = [
@@ -107,7 +107,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("tuning needs a CUDA GPU")
-    from dualkv_compile.kernel_options import TRITON_OPTIONS_BY_ARCH
+    from dualkv_compile.attention.kernel_options import TRITON_OPTIONS_BY_ARCH
 
     arch = tuple(torch.cuda.get_device_capability())
     TRITON_OPTIONS_BY_ARCH[arch] = {}  # candidates, "defaults" included, must not sit on old entries

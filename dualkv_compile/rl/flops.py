@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dualkv_compile.packing import PackedBatch
+from dualkv_compile.layout.packing import PackedBatch
 
 __all__ = ["forward_flops", "policy_update_flops", "peak_bf16_tflops"]
 

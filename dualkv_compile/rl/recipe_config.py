@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..attention_backend import ALL_ATTENTION_BACKENDS
+from ..attention.selection import ALL_ATTENTION_BACKENDS
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "parse_checked"]
 

@@ -133,7 +133,7 @@ def test_shape_errors_name_the_shapes():
 def test_regions_math_kernel_is_exact(monkeypatch, seed):
     """The explicit math kernel that runs tiny regions on CUDA (cuDNN refuses 1x1), run here
     for every region: fp64 against the replicated batch."""
-    from dualkv_compile import regions
+    from dualkv_compile.attention import regions
 
     calls = []
 
@@ -182,7 +182,7 @@ def _spans(plan):
 def test_regions_plan_from_segment_tables_equals_the_packed_plan(layout, pad_side, seed):
     """What a compiled graph has (the 1-D segment tables) gives the same regions as the
     PackedBatch."""
-    from dualkv_compile.regions import plan_of_packed, plan_of_segments
+    from dualkv_compile.attention.regions import plan_of_packed, plan_of_segments
 
     g = torch.Generator().manual_seed(seed)
     tokens, mask, p = make_batch([pl for pl, _ in layout], [rs for _, rs in layout],
@@ -216,7 +216,7 @@ def test_regions_custom_ops_match_replicated_fp64(op):
 
 
 def test_regions_plan_indices_and_a_misplaced_response_raises():
-    from dualkv_compile.regions import plan_of_packed, plan_of_segments
+    from dualkv_compile.attention.regions import plan_of_packed, plan_of_segments
 
     g = torch.Generator().manual_seed(3)
     tokens, mask, p = make_batch([4, 6], [[3, 0, 5], [2, 2]], shuffle=True, generator=g)
@@ -283,7 +283,7 @@ def test_token_major_strided_inputs(backend):
 
 
 def test_flash_regions_plan_has_one_cross_call_per_group_with_responses():
-    from dualkv_compile.flash_regions import plan_of_segments
+    from dualkv_compile.attention.flash_regions import plan_of_segments
 
     g = torch.Generator().manual_seed(23)
     tokens, mask, p = make_batch([9, 30, 4], [[4, 0, 17], [1, 25], [0, 0]], shuffle=True,
@@ -302,7 +302,7 @@ def test_flash_regions_plan_has_one_cross_call_per_group_with_responses():
 
 
 def test_flash_regions_plan_refuses_a_misplaced_response():
-    from dualkv_compile.flash_regions import plan_of_segments
+    from dualkv_compile.attention.flash_regions import plan_of_segments
 
     tokens, mask, p = make_batch([4, 6], [[3, 5], [2, 2]])
     pb = pack(tokens, prompt_len=p, padding_mask=mask)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualkv_compile import pack
-from dualkv_compile.block_mask import (
+from dualkv_compile.attention.block_mask import (
     BLOCK_SIZE,
     _token_intervals,
     dense_mask,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dualkv_compile import pack
-from dualkv_compile.block_mask import BLOCK_SIZE, block_classes, dense_mask
-from dualkv_compile.flash_causal import block_aligned, flash_causal_attention
+from dualkv_compile.attention.block_mask import BLOCK_SIZE, block_classes, dense_mask
+from dualkv_compile.attention.flash_causal import block_aligned, flash_causal_attention
 from dualkv_compile.testing import make_batch, random_qkv
 
 
@@ -70,7 +70,7 @@ def test_the_causal_form_refuses_a_ragged_layout_before_any_kernel():
 @pytest.fixture
 def flash_on_sm(monkeypatch):
     """_causal_form's GPU queries answered as on an sm_`major` machine where FLASH resolves."""
-    import dualkv_compile.attention as attention
+    import dualkv_compile.attention.op as attention
 
     def on(major):
         monkeypatch.setattr(attention, "resolve_attention_backend",

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from dualkv_compile import attention_backend
-from dualkv_compile.kernel_options import (
+from dualkv_compile.attention import selection as attention_backend
+from dualkv_compile.attention.kernel_options import (
     TRITON_OPTIONS_BY_ARCH,
     kernel_options_for,
     validate_kernel_options,
@@ -75,7 +75,7 @@ def test_other_head_dims_stay_on_triton_and_flash_refuses_them(fake_gpu):
 
 def test_auto_falls_back_to_triton_with_a_logged_reason(fake_gpu, caplog):
     dev = fake_gpu((9, 0), False)
-    with caplog.at_level("WARNING", logger="dualkv_compile.attention_backend"):
+    with caplog.at_level("WARNING", logger="dualkv_compile.attention.selection"):
         opts = kernel_options_for(dev, head_dim=128, gqa=4)
         kernel_options_for(dev, head_dim=128, gqa=4)
     assert opts["BACKEND"] == "TRITON"
@@ -128,7 +128,7 @@ def test_fp32_stays_on_triton_and_flash_on_cpu_raises(fake_gpu):
 
 
 def test_the_cli_line_names_the_kernel_and_the_reason(fake_gpu):
-    from dualkv_compile.attention_backend import describe_attention_backend
+    from dualkv_compile.attention.selection import describe_attention_backend
 
     dev = fake_gpu((9, 0), False)
     line = describe_attention_backend(dev, 128, torch.bfloat16)

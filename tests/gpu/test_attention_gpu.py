@@ -33,7 +33,7 @@ RESULTS = []
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    from dualkv_compile.attention_backend import flash_status
+    from dualkv_compile.attention.selection import flash_status
 
     if request.param in ("flash", "flash_regions") and torch.cuda.is_available():
         available, reason = flash_status(torch.device("cuda"))
@@ -159,8 +159,8 @@ def test_flash_causal_form_equals_flex_flash(prompts, responses, causal_form):
     ragged ones; on aligned ones it equals flex FLASH: the output bit for bit, the gradients up
     to FA4's atomic accumulation order (dq always; dk and dv under GQA: flex against itself
     differs there too)."""
-    from dualkv_compile.attention import _flex_attention
-    from dualkv_compile.attention_backend import flash_status
+    from dualkv_compile.attention.op import _flex_attention
+    from dualkv_compile.attention.selection import flash_status
     from dualkv_compile.stats import counters
 
     available, reason = flash_status(torch.device("cuda"), 128, torch.bfloat16)
@@ -191,8 +191,8 @@ def test_lse_merge_kernel_matches_the_eager_merge(dtype):
     """flash_regions' in-place merge on CUDA (a Triton kernel) against its eager reference,
     on views like the ones it gets: rows of a token-major buffer, a strided [H, L] slice of
     the log-sum-exps, and a row count that is not a multiple of the kernel's block."""
-    from dualkv_compile import lse_merge_kernel
-    from dualkv_compile.flash_regions import _merge_into_eager
+    from dualkv_compile.attention import lse_merge_kernel
+    from dualkv_compile.attention.flash_regions import _merge_into_eager
 
     g = torch.Generator(device="cuda").manual_seed(0)
     t, h, d, rs, re = 1000, 4, 128, 123, 900

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from dualkv_compile import logprobs as lp
+from dualkv_compile.lm_head import logprobs as lp
 from dualkv_compile.testing import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -79,7 +79,7 @@ def test_inside_a_users_compiled_graph():
 def test_triton_chunk_stats_match_float64(vocab, rows, temperature, dtype, strided):
     # the online log-sum-exp kernel against float64 math on the same logits, and against the
     # Inductor-compiled reference function; rows may be a slice of a wider buffer
-    from dualkv_compile import chunk_stats_kernel
+    from dualkv_compile.lm_head import chunk_stats_kernel
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     width = vocab + 61 if strided else vocab
@@ -104,7 +104,7 @@ def test_triton_chunk_stats_match_float64(vocab, rows, temperature, dtype, strid
 def test_triton_chunk_stats_strided_targets_and_infinite_logits():
     # targets taken from a strided view; a row of -inf logits and a row holding a +inf logit
     # give the reference's -inf and +inf log-sum-exp (not NaN); the other rows are unaffected
-    from dualkv_compile import chunk_stats_kernel
+    from dualkv_compile.lm_head import chunk_stats_kernel
 
     g = torch.Generator(device="cuda").manual_seed(3)
     vocab = 20_000  # three blocks of the kernel

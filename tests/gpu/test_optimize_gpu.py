@@ -37,7 +37,7 @@ def logprobs_and_grads(fn, model, tokens, mask, p, adv):
 
 
 def skip_without_flash(attention_backend):
-    from dualkv_compile.attention_backend import flash_status
+    from dualkv_compile.attention.selection import flash_status
 
     available, reason = flash_status(torch.device("cuda"))
     if attention_backend == "flash_regions" and not available:

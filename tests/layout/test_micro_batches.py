@@ -108,7 +108,7 @@ def test_two_hundred_steps_of_varying_lengths_compile_once_per_length_bucket():
     # planned into micro-batches of at most 512 packed tokens: the compiled graph is traced once
     # per packed-length bucket a micro-batch lands in (rows, groups and lengths inside a bucket
     # change nothing), so the compiles are bounded by the buckets at or below the budget
-    from dualkv_compile.packing import bucket_length
+    from dualkv_compile.layout.packing import bucket_length
 
     g = torch.Generator().manual_seed(0)
     model = tiny_model("qwen2_5")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dualkv_compile import pack
-from dualkv_compile.packing import bucket_length
+from dualkv_compile.layout.packing import bucket_length
 from dualkv_compile.testing import make_batch
 
 
@@ -189,7 +189,7 @@ def test_pack_checks_shapes():
 
 
 def test_group_detection_survives_hash_collisions(monkeypatch):
-    from dualkv_compile import packing
+    from dualkv_compile.layout import packing
 
     tokens, mask, p = make_batch([4, 4, 6], [[2, 2], [3], [1, 1]], shuffle=True, generator=gen(9))
     expected = pack(tokens, prompt_len=p, padding_mask=mask).group_ids

@@ -1,6 +1,6 @@
 import torch
 
-from dualkv_compile.gather_rows import SharedRows, gather_rows
+from dualkv_compile.lm_head.gather_rows import SharedRows, gather_rows
 from dualkv_compile.testing import rel_err
 
 

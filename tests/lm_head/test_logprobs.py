@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dualkv_compile.logprobs import chunked_logprobs, chunked_token_loss
+from dualkv_compile.lm_head.logprobs import chunked_logprobs, chunked_token_loss
 from dualkv_compile.testing import rel_err
 
 
@@ -40,7 +40,7 @@ def test_bad_arguments():
 def test_fused_chunk_kernels_compiled_match_eager():
     # what runs on CUDA (the chunk functions under torch.compile) against the eager functions,
     # here compiled by Inductor for the CPU in float64; ragged last chunk, temperature != 1
-    from dualkv_compile import logprobs as lp
+    from dualkv_compile.lm_head import logprobs as lp
 
     g = torch.Generator().manual_seed(3)
     for rows in (5, 3):
@@ -62,7 +62,7 @@ def test_fused_path_compiles_once_per_function(monkeypatch):
     # not recompile (Dynamo's limit would otherwise end the run)
     from torch._dynamo.utils import counters
 
-    from dualkv_compile import logprobs as lp
+    from dualkv_compile.lm_head import logprobs as lp
 
     monkeypatch.setattr(lp, "_kernels", lambda device: (lp._fused(lp._chunk_stats),
                                                         lp._fused(lp._chunk_grad)))
@@ -219,7 +219,7 @@ def test_token_loss_scaled_gradients_are_rounded_once():
     summed over the chunks), then scaled and rounded to bf16 once, so they equal c times the
     float32 values, rounded. Rounding to bf16 first and scaling after, as before, differs on
     a fraction of the elements."""
-    from dualkv_compile import logprobs as lp
+    from dualkv_compile.lm_head import logprobs as lp
 
     g = torch.Generator().manual_seed(11)
     h = torch.randn(12, 16, generator=g).bfloat16().requires_grad_()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .block_mask import shared_prefix_block_mask
+from ..attention.block_mask import shared_prefix_block_mask
 from .packing import PackedBatch
 
 __all__ = ["layout_tables", "ANCHOR"]

@@ -1,7 +1,7 @@
 """shared_prefix_attention: the one attention op of the packed layout.
 
 CUDA: flex_attention, compiled once per process, with the BlockMask of the PackedBatch (built
-once, cached on it), lowered to FLASH (FA4) or Triton (attention_backend.py) with the
+once, cached on it), lowered to FLASH (FA4) or Triton (selection.py) with the
 architecture's validated kernel options. FLASH on a layout made of whole 128-token blocks per
 segment calls FA4 directly in its causal form instead (flash_causal.py: the same attention,
 with FA4's longest-first tile order). Dynamo's recompile limit
@@ -18,16 +18,16 @@ import logging
 import torch
 from torch import Tensor
 
-from .attention_backend import resolve_attention_backend
+from .selection import resolve_attention_backend
 from .block_mask import shared_prefix_block_mask
 from .flash_causal import block_aligned, flash_causal_attention
 from .flash_regions import flash_regions_attention_op
 from .kernel_options import kernel_options_for
-from .packing import PackedBatch
-from .recompiles import bounded_recompiles
-from .reference import reference_shared_prefix_attention
+from ..layout.packing import PackedBatch
+from ..recompiles import bounded_recompiles
+from ..reference import reference_shared_prefix_attention
 from .regions import regions_attention_op, two_region_attention
-from .stats import counters, log_once
+from ..stats import counters, log_once
 
 __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
 
@@ -138,7 +138,7 @@ def shared_prefix_attention(
     q [1, Hq, T, D], k/v [1, Hkv, T, D] (Hkv divides Hq) -> [1, Hq, T, D]. A query sees earlier
     keys of its own segment and, for response tokens, its group's whole prompt. `scale`
     defaults to 1/sqrt(D). `attention_backend` ("auto", "flash", "triton") picks the CUDA flex
-    kernel (see attention_backend.py); FLASH on a block-aligned layout runs FA4's causal form
+    kernel (see selection.py); FLASH on a block-aligned layout runs FA4's causal form
     (flash_causal.py); `kernel_options` override the architecture's table entry
     (CUDA only; validated, unknown keys raise). "regions" runs dense kernels over the two KV
     regions instead of flex, on CUDA (cuDNN, bf16/fp16) and on CPU (regions.py);

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import lse_merge_kernel, regions
-from .attention_backend import flash_status
+from .selection import flash_status
 from .regions import plan_of_tables, register_autograd
 
 __all__ = ["flash_regions_attention_op", "plan_of_segments"]

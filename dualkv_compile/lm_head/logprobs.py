@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import chunk_stats_kernel
-from .recompiles import bounded_recompiles
+from ..recompiles import bounded_recompiles
 
 __all__ = ["chunked_logprobs", "chunked_token_loss"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .packing import PackedBatch
+from ..layout.packing import PackedBatch
 
 __all__ = [
     "BLOCK_SIZE",

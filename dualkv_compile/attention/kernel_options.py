@@ -112,7 +112,7 @@ def kernel_options_for(device: torch.device, overrides: dict[str, object] | None
         if attention_backend == "flash":
             raise ValueError(f"attention_backend='flash' is a CUDA kernel; the device is {device}")
         return overrides
-    from .attention_backend import resolve_attention_backend
+    from .selection import resolve_attention_backend
 
     backend = resolve_attention_backend(attention_backend, device, head_dim, dtype)
     base: dict[str, object] = {"BACKEND": backend}

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .packing import PackedBatch
+from ..layout.packing import PackedBatch
 
 __all__ = ["CUDNN_DTYPES", "plan_of_tables", "two_region_attention", "regions_attention_op"]
 

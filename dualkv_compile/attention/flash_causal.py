@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .block_mask import BLOCK_SIZE, shared_prefix_block_mask
-from .packing import PackedBatch
+from ..layout.packing import PackedBatch
 
 __all__ = ["block_aligned", "flash_causal_attention"]
 

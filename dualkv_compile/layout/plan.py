@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .stats import counters, log_once
+from ..stats import counters, log_once
 
 __all__ = ["MicroBatchPlan", "micro_batch_rows", "plan_micro_batches"]
 

@@ -1,0 +1,3 @@
+"""The packed layout: one micro-batch's prompts once and responses after them (packing.py),
+the tables a compiled graph reads it through (inputs.py), and micro-batches planned by a
+packed-token budget (plan.py)."""
