@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from .attention.selection import ALL_ATTENTION_BACKENDS
+from .attention.registry import attention_kernel
 from .attention.kernel_options import validate_kernel_options
 from .layout.packing import check_bucket_growth
 
@@ -75,12 +75,11 @@ class DualKVConfig:
         if not isinstance(self.pad_to, int) or self.pad_to < 128 or self.pad_to % 128:
             raise ValueError(f"pad_to={self.pad_to!r} must be a positive multiple of 128")
         check_bucket_growth(self.bucket_growth)
-        if self.attention_backend not in ALL_ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
-                             f"{ALL_ATTENTION_BACKENDS}")
-        if self.attention_backend in ("regions", "flash_regions") and self.kernel_options:
-            raise ValueError(f"kernel_options={self.kernel_options!r} configure flex_attention; "
-                             f"attention_backend={self.attention_backend!r} does not use it")
+        kernel = attention_kernel(self.attention_backend)
+        if not kernel.flex and self.kernel_options:
+            raise ValueError(f"kernel_options={self.kernel_options!r} configure "
+                             f"flex_attention; attention_backend={self.attention_backend!r} "
+                             "does not use it")
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {_BACKENDS}")
         if self.fallback not in _FALLBACKS:

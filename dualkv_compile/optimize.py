@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .adapters import adapter_for
 from .backend import DualKVBackend
+from .attention.registry import attention_kernel
 from .config import DualKVConfig
 from .lm_head.gather_rows import SharedRows, gather_rows
 from .layout.inputs import layout_anchor, layout_tables
@@ -50,7 +51,7 @@ def _check_device(model: nn.Module, config: DualKVConfig) -> None:
         raise ValueError(f"backend='inductor' cannot run this model on {device}: Inductor's "
                          "CPU FlexAttention has no backward; use backend='auto' (aot_eager off "
                          "CUDA) or move the model to a GPU")
-    if config.attention_backend in ("flash", "triton"):
+    if attention_kernel(config.attention_backend).cuda_only:
         raise ValueError(f"attention_backend={config.attention_backend!r} is a CUDA kernel and "
                          f"the model is on {device}; use 'auto' (the CPU reference path there)")
 
@@ -146,7 +147,7 @@ class DualKVModel(nn.Module):
         device = packed.tokens.device
         tables, template = layout_tables(
             packed, device,
-            block_mask=self.config.attention_backend not in ("regions", "flash_regions"))
+            block_mask=attention_kernel(self.config.attention_backend).flex)
         if self.compile_region() == "layer":
             return self._run_layers(packed, mode, tables, template)
         compiled = self._compiled_call(mode, functools.partial(self._traced, mode), device)

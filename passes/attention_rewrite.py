@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dualkv_compile.attention.kernel_options import kernel_options_for
+from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR
 from dualkv_compile.stats import counters
 
@@ -240,7 +241,7 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
     sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
     if not sdpa_nodes:
         raise Refusal("no scaled_dot_product_attention in the traced model; nothing to share")
-    if attention_backend in ("regions", "flash_regions"):
+    if not attention_kernel(attention_backend).flex:
         _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
                     attention_backend)
     else:
@@ -271,10 +272,9 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
     """SDPA -> torch.ops.dualkv.regions_attention (regions.py) or, for "flash_regions",
     torch.ops.dualkv.flash_regions_attention (flash_regions.py), fed the 1-D segment tables."""
     from dualkv_compile.attention.selection import flash_status
-    from dualkv_compile.attention.flash_regions import flash_regions_attention_op
-    from dualkv_compile.attention.regions import CUDNN_DTYPES, regions_attention_op
+    from dualkv_compile.attention.regions import CUDNN_DTYPES
 
-    op = flash_regions_attention_op if backend == "flash_regions" else regions_attention_op
+    op = attention_kernel(backend).graph_op()
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
@@ -294,7 +294,7 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
                           f"k {k.shape[-1]}, v {v.shape[-1]}; the regions op needs them equal")
         with graph.inserting_before(node):
             call = graph.call_function(
-                op._opoverload,
+                op.default,
                 (args["query"], args["key"], args["value"], segment_ids, prefix_segment_ids,
                  _scale(args, q)),
             )

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 import dualkv_compile as dk
-from dualkv_compile.attention.selection import ALL_ATTENTION_BACKENDS
+from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import add_shapes_argument, environment, write_results
 
 DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]
@@ -227,7 +227,7 @@ def main(argv=None):
                          "step under torch.compile (Inductor's fused kernels)")
     ap.add_argument("--no-optimizer", action="store_true",
                     help="time response logprobs forward + backward only, no AdamW step")
-    ap.add_argument("--attention-backend", choices=list(ALL_ATTENTION_BACKENDS), default="auto",
+    ap.add_argument("--attention-backend", choices=list(KERNELS), default="auto",
                     help="the optimized model's attention kernel")
     ap.add_argument("--loss", choices=["fused", "separate", "both"], default="fused",
                     help="fused: response_loss (the LM head's backward in its forward); "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..attention.selection import ALL_ATTENTION_BACKENDS
+from ..attention.registry import KERNELS
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="build the model with this many layers (default: as configured)")
     ins.add_argument("--out", default=None, help="write the graphs and an SVG here")
     ins.add_argument("--attention-backend", default="auto",
-                     choices=list(ALL_ATTENTION_BACKENDS),
+                     choices=list(KERNELS),
                      help="the attention the rewrite inserts: flex (auto/flash/triton) or a "
                           "regions op (regions: cuDNN, flash_regions: flash-attn-4)")
 

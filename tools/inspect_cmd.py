@@ -59,11 +59,12 @@ def run_inspect(args, out=print) -> int:
     out(f"model {args.model}: {type(model).__name__}; layout: {args.groups} group(s) x "
         f"{args.group_size} responses, prompt {args.prompt_len}, response {args.response_len}; "
         f"T={packed.seq_len}, rho={packed.rho:.2f}")
+    from dualkv_compile.attention.registry import attention_kernel
     from dualkv_compile.attention.selection import describe_attention_backend
 
     asked = args.attention_backend
     cpu = describe_attention_backend(torch.device("cpu"),
-                                     requested=asked if asked in ("regions", "flash_regions") else "auto")
+                                     requested="auto" if attention_kernel(asked).flex else asked)
     out(f"attention kernel: {cpu}")
     if torch.cuda.is_available():
         head_dim = _head_dim(model)

@@ -18,16 +18,17 @@ import logging
 import torch
 from torch import Tensor
 
-from .selection import resolve_attention_backend
-from .block_mask import shared_prefix_block_mask
-from .flash_causal import block_aligned, flash_causal_attention
-from .flash_regions import flash_regions_attention_op
-from .kernel_options import kernel_options_for
 from ..layout.packing import PackedBatch
 from ..recompiles import bounded_recompiles
 from ..reference import reference_shared_prefix_attention
-from .regions import regions_attention_op, two_region_attention
 from ..stats import counters, log_once
+from . import flash_regions  # noqa: F401  (registers torch.ops.dualkv.flash_regions_attention)
+from .block_mask import shared_prefix_block_mask
+from .flash_causal import block_aligned, flash_causal_attention
+from .kernel_options import kernel_options_for
+from .regions import two_region_attention
+from .registry import attention_kernel
+from .selection import resolve_attention_backend
 
 __all__ = ["shared_prefix_attention", "RECOMPILE_LIMIT"]
 
@@ -92,7 +93,7 @@ def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
     block-sparse backward needs a dq write order that only flex builds), and a block-aligned
     layout. Each reason for skipping the causal form is logged once; traced calls (inside
     torch.compile, as in optimize()) always lower flex."""
-    if attention_backend not in ("auto", "flash") or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return False
     if resolve_attention_backend(attention_backend, q.device, q.shape[-1], q.dtype) != "FLASH":
         return False
@@ -146,22 +147,22 @@ def shared_prefix_attention(
     flash_regions.py).
     """
     _check(q, k, v, packed)
-    if attention_backend in ("regions", "flash_regions") and kernel_options:
+    kernel = attention_kernel(attention_backend)
+    if not kernel.flex and kernel_options:
         raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
                          f"attention_backend={attention_backend!r} does not use it")
     if attention_backend == "regions" and not torch.compiler.is_compiling():
         return two_region_attention(q, k, v, packed, scale=scale)  # the batch's own plan
-    if attention_backend in ("regions", "flash_regions"):  # the opaque ops
-        op = regions_attention_op if attention_backend == "regions" else flash_regions_attention_op
+    if not kernel.flex:  # the region kernels' opaque ops
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return op(q, k, v, *_segment_tables(packed, q.device), scale)[0]
+        return kernel.graph_op()(q, k, v, *_segment_tables(packed, q.device), scale)[0]
     if q.device.type == "cuda":
         if _causal_form(q, k, packed, kernel_options, attention_backend):
             counters["flash_causal_calls"] += 1
             return flash_causal_attention(q, k, v, packed, scale)
         return _flex_attention(q, k, v, packed, scale, kernel_options,
                                attention_backend=attention_backend)
-    if attention_backend not in ("auto", "triton"):
+    if kernel.cuda_only:
         raise ValueError(f"attention_backend={attention_backend!r} is a CUDA kernel; q is on "
                          f"{q.device}, which runs the reference")
     if kernel_options:

@@ -16,16 +16,12 @@ import logging
 
 import torch
 
-__all__ = ["ALL_ATTENTION_BACKENDS", "ATTENTION_BACKENDS", "describe_attention_backend", "flash_status",
-           "resolve_attention_backend"]
+from .registry import FLEX_KERNELS, attention_kernel
+
+__all__ = ["describe_attention_backend", "flash_status", "resolve_attention_backend"]
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "flash", "triton")  # the flex kernels
-# every choice of DualKVConfig.attention_backend: the flex kernels, "regions" (regions.py:
-# dense cuDNN calls over the two KV regions, no flex) and "flash_regions" (flash_regions.py:
-# flash-attn-4's dense kernels over them)
-ALL_ATTENTION_BACKENDS = ATTENTION_BACKENDS + ("regions", "flash_regions")
 _FLASH_ARCHS = (9, 10)  # sm_90 (Hopper), sm_100 (Blackwell): FA4's targets
 # head dims FLASH is used for: those its GPU tests passed at (FA4 4.0.0b36 returns a wrong dq at
 # head dim 16: docs/results/gpu_attention_tests_h100.txt).
@@ -73,11 +69,12 @@ def _resolve(requested: str, device: torch.device, head_dim: int | None,
 
 def resolve_attention_backend(requested: str, device: torch.device,
                               head_dim: int | None = None, dtype: torch.dtype | None = None) -> str:
-    """'FLASH' or 'TRITON' for `requested` in ATTENTION_BACKENDS on the CUDA `device`, whose
+    """'FLASH' or 'TRITON' for the flex kernel `requested` on the CUDA `device`, whose
     attention has head dim `head_dim` and dtype `dtype`; "flash" raises where FLASH cannot run,
     "auto" falls back to Triton (logged once per device, head dim and dtype)."""
-    if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={requested!r} is not one of {ATTENTION_BACKENDS}")
+    if not attention_kernel(requested).flex:
+        raise ValueError(f"attention_backend={requested!r} is not one of the flex kernels "
+                         f"{FLEX_KERNELS}")
     if device.type != "cuda":
         raise ValueError(f"attention backends are CUDA kernels; got device {device}")
     if device.index is None:

@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..attention.selection import ALL_ATTENTION_BACKENDS
+from ..attention.registry import KERNELS
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "parse_checked"]
 
@@ -96,7 +96,7 @@ GRPO_SCHEMA: dict[str, Any] = {
     "fsdp_reshard_after_forward": Key("bool", required=False),
     "peak_tflops": Key("float", _positive, nullable=True, required=False),
     "dualkv": {"enabled": Key("bool"), "fallback": Key("choice", choices=("error", "dense")),
-               "attention_backend": Key("choice", choices=ALL_ATTENTION_BACKENDS,
+               "attention_backend": Key("choice", choices=tuple(KERNELS),
                                         required=False),
                "bucket_growth": Key("float", required=False)},
     "tokenizer": COMPONENT, "task": COMPONENT, "model": COMPONENT, "loss": COMPONENT,
