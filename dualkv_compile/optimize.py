@@ -22,6 +22,7 @@ from .lm_head.gather_rows import SharedRows, gather_rows
 from .layout.inputs import layout_anchor, layout_tables
 from .lm_head.logprobs import chunked_logprobs, chunked_token_loss
 from .layout.packing import PackedBatch, _as_int, as_padding_mask, pack
+from .numerics import accumulation_dtype
 from .recompiles import bounded_recompiles
 from .stats import counters
 
@@ -195,6 +196,15 @@ class DualKVModel(nn.Module):
             return dense_fn()
 
     # ---- inputs ---------------------------------------------------------------------------
+    def token_rows(self, tokens: Tensor, *, prompt_len: int,
+                   padding_mask: Tensor | None = None) -> Tensor:
+        """[T]: the replicated rows each position of the packed sequence the model sees for this
+        batch stands for (PackedBatch.token_rows). Per-token statistics a forward hook collects
+        inside the model while `uses_dualkv` (e.g. a MoE router's expert choices, [T, k]),
+        weighted by it, equal the replicated batch's: the expert load of the rows, with each
+        prompt token counted once per row that shares it."""
+        return self._pack(tokens, prompt_len, padding_mask).token_rows()
+
     def _pack(self, tokens: Tensor, prompt_len: int, padding_mask: Tensor | None) -> PackedBatch:
         vocab = self._adapter.vocab_size(self.model)
         if isinstance(tokens, Tensor) and tokens.numel():
@@ -330,7 +340,7 @@ class DualKVModel(nn.Module):
         if tokens.dim() == 2 and prompt_len == tokens.shape[1]:  # no response columns
             self._pack(tokens, prompt_len, padding_mask)  # still validates the input
             weight = self._adapter.lm_head_weight(self.model)
-            wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+            wide = accumulation_dtype(weight.dtype)
             return on_empty(torch.zeros(tokens.shape[0], 0, dtype=wide, device=tokens.device))
 
         def dense():
@@ -363,12 +373,12 @@ def _predictions(tokens, mask, prompt_len, pb: PackedBatch):
     b, l = tokens.shape
     r = l - prompt_len
     device = tokens.device
-    index = pb._index("_unpack_index", device).view(b, l)
+    index = pb.on_device("_unpack_index", device).view(b, l)
     valid = mask[:, prompt_len:]
     resp = index[:, prompt_len:]  # packed index of each response token
     # previous token: the one before it in the packed response, or the prompt's last token
     group_last = torch.tensor([pe - 1 for _, pe, _ in pb.group_spans], device=device)
-    group = pb._index("group_ids", device)
+    group = pb.on_device("group_ids", device)
     prev = torch.cat([group_last[group][:, None], resp[:, :-1]], dim=1)
     dst = (torch.arange(b, device=device)[:, None] * r + torch.arange(r, device=device))[valid]
     # the gathered index of each row's first response token (responses are right-padded)

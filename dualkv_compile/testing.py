@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .numerics import accumulation_dtype
+
 __all__ = [
     "make_batch",
     "packed_forward_backward",
@@ -115,7 +117,7 @@ def random_qkv(packed, hq: int, hkv: int, d: int, *, dtype, device, generator=No
                for h in (hq, hkv, hkv))
     cot = torch.randn(1, hq, t, d, generator=generator, dtype=torch.float64)
     cot[:, :, packed.num_tokens:] = 0
-    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    wide = accumulation_dtype(dtype)
     return (*(x.to(device=device, dtype=dtype) for x in (q, k, v)), cot.to(device=device, dtype=wide))
 
 
@@ -236,7 +238,7 @@ def row_by_row_response_logprobs(model, tokens, padding_mask, prompt_len, temper
         row = tokens[i, padding_mask[i]]
         p = int(padding_mask[i, :prompt_len].sum())
         n = int(padding_mask[i, prompt_len:].sum())
-        wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        wide = accumulation_dtype(logits.dtype)
         logp = (logits.to(wide) / temperature).log_softmax(-1)
         picked = logp[p - 1:p - 1 + n].gather(1, row[p:p + n, None])[:, 0]
         out.append(torch.cat([picked, picked.new_zeros(l - prompt_len - n)]))

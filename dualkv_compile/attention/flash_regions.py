@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..numerics import accumulation_dtype
 from . import lse_merge_kernel, regions
 from .selection import flash_status
 from .regions import plan_of_tables, register_autograd
@@ -164,7 +165,7 @@ def flash_regions_forward(q, k, v, plan: Plan, scale: float):
     """Token-major q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], lse [Hq, T] float32)."""
     own, cross, _, _ = _kernels(q)
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q), device=q.device)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype), device=q.device)
     own(q, k, v, plan, scale, out, lse)
     for rs, re, ps, pe in plan.cross:
         out_x, lse_x = cross(q[rs:re], k[ps:pe], v[ps:pe], scale)
@@ -183,10 +184,6 @@ def flash_regions_backward(dout, q, k, v, out, lse, plan: Plan, scale: float):
         dk[ps:pe] += gk
         dv[ps:pe] += gv
     return dq, dk, dv
-
-
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -219,7 +216,7 @@ def _like_head_major(x: Tensor) -> Tensor:
 
 @flash_regions_attention_op.register_fake
 def _(q, k, v, segment_ids, prefix_segment_ids, scale):
-    return _like_head_major(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    return _like_head_major(q), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op("dualkv::flash_regions_attention_backward", mutates_args=())

@@ -28,14 +28,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..layout.packing import PackedBatch
+from ..numerics import accumulation_dtype
 
 __all__ = ["CUDNN_DTYPES", "plan_of_tables", "two_region_attention", "regions_attention_op"]
 
 CUDNN_DTYPES = (torch.bfloat16, torch.float16)  # what the CUDA kernels (cuDNN) compute in
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:  # fp32, or fp64 for fp64 inputs
-    return torch.promote_types(dtype, torch.float32)
 
 
 # ---- the dense kernels: forward -> (out, lse [B, H, L], aux); backward with a given out, lse ---
@@ -49,7 +46,7 @@ def _cpu_forward(q, k, v, causal, scale):
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale, aux):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.to(_acc_dtype(q.dtype)), 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse.to(accumulation_dtype(q.dtype)), 0.0, causal, scale=scale)
 
 
 # cuDNN's backward takes the forward's sequence tables, sizes and dropout seeds. They depend on
@@ -106,7 +103,7 @@ def _use_math(q: Tensor, k: Tensor) -> bool:
 
 
 def _wide(x: Tensor) -> Tensor:  # fp32, or wider if x is
-    return x.to(_acc_dtype(x.dtype))
+    return x.to(accumulation_dtype(x.dtype))
 
 
 def _math_scores(q, k, causal, scale):
@@ -226,12 +223,13 @@ def _plan(groups, device: torch.device) -> list:
 def plan_of_packed(packed: PackedBatch, device: torch.device) -> list:
     """The plan of a PackedBatch, cached on it."""
     key = ("two_region_plan", device)
-    if key not in packed._cache:
+
+    def build():
         groups = [((ps, pe), spans) for ps, pe, spans in packed.group_spans]
         if packed.padding_span[1] > packed.padding_span[0]:
             groups.append((packed.padding_span, []))
-        packed._cache[key] = _plan(groups, device)
-    return packed._cache[key]
+        return _plan(groups, device)
+    return packed.cached(key, build)
 
 
 def groups_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
@@ -308,7 +306,7 @@ def regions_forward(q, k, v, plan, scale):
     """-> (out [1, Hq, T, D], lse [1, Hq, T], aux: one entry per kernel call, for backward)."""
     fwd, _ = _kernels(q)
     out = _new(q)
-    lse = torch.empty(q.shape[:3], dtype=_acc_dtype(q.dtype), device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=accumulation_dtype(q.dtype), device=q.device)
     aux = []
     for prompt, resp in plan:
         has_prompt = prompt[1] > prompt[0]
@@ -426,7 +424,7 @@ def regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
 
 @regions_attention_op.register_fake
 def _(q, k, v, segment_ids, prefix_segment_ids, scale):
-    return _new(q), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
+    return _new(q), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op("dualkv::regions_attention_backward", mutates_args=())

@@ -85,6 +85,19 @@ class PackedBatch:
                 packed += p * r + r * (r + 1) // 2
         return replicated, packed
 
+    def token_rows(self) -> Tensor:
+        """[T] int64: how many rows of the [B, L] batch each packed position stands for: a
+        prompt token its group's row count, a response token 1, padding 0. A per-token
+        statistic gathered inside the model (a router's expert choices, say) weighted by it
+        equals the same statistic over the replicated rows' valid tokens."""
+        weights = torch.zeros(self.seq_len, dtype=torch.long)
+        rows = torch.bincount(self.group_ids.cpu(), minlength=self.num_groups).tolist()
+        for (ps, pe, responses), n in zip(self.group_spans, rows):
+            weights[ps:pe] = n
+            for rs, re in responses:
+                weights[rs:re] = 1
+        return weights.to(self.tokens.device)
+
     @property
     def pair_reduction(self) -> float:
         """Ideal attention speed-up: replicated pairs / packed pairs."""
@@ -92,7 +105,8 @@ class PackedBatch:
         return replicated / packed
 
     # ---- moving per-token tensors between the layouts ----------------------------------------
-    def _index(self, name: str, device: torch.device) -> Tensor:
+    def on_device(self, name: str, device: torch.device) -> Tensor:
+        """The batch's table `name` (e.g. "group_ids") on `device`, copied once and cached."""
         key = (name, device)
         if key not in self._cache:
             self._cache[key] = getattr(self, name).to(device)
@@ -111,7 +125,7 @@ class PackedBatch:
         rows = x.movedim(dim, 1)
         flat = rows.reshape(b * l, *rows.shape[2:])
         flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        out = flat[self._index("_pack_index", x.device)]
+        out = flat[self.on_device("_pack_index", x.device)]
         return out.unsqueeze(0).movedim(1, dim)
 
     def unpack(self, x: Tensor, *, dim: int = 1) -> Tensor:
@@ -127,7 +141,7 @@ class PackedBatch:
             )
         flat = x.movedim(dim, 1)[0]
         flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        out = flat[self._index("_unpack_index", x.device)]
+        out = flat[self.on_device("_unpack_index", x.device)]
         return out.reshape(b, l, *out.shape[1:]).movedim(1, dim)
 
     def cached(self, key, build):

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..numerics import accumulation_dtype
+
 __all__ = ["SharedRows", "gather_rows"]
 
 
@@ -31,10 +33,6 @@ class SharedRows:
     slot: Tensor
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, src, shared):
@@ -47,7 +45,7 @@ class _GatherRows(torch.autograd.Function):
         src, shared = ctx.src, ctx.shared
         out = grad.new_zeros(ctx.num_rows, *grad.shape[1:])
         out.index_copy_(0, src, grad)  # a shared row gets one of its members: replaced below
-        sums = torch.zeros(shared.rows.shape[0], *grad.shape[1:], dtype=_wide(grad.dtype),
+        sums = torch.zeros(shared.rows.shape[0], *grad.shape[1:], dtype=accumulation_dtype(grad.dtype),
                            device=grad.device)
         sums.index_add_(0, shared.slot, grad.index_select(0, shared.members).to(sums.dtype))
         out.index_copy_(0, shared.rows, sums.to(grad.dtype))

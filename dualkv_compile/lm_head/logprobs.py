@@ -29,13 +29,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import chunk_stats_kernel
+from ..numerics import accumulation_dtype
 from ..recompiles import bounded_recompiles
 
 __all__ = ["chunked_logprobs", "chunked_token_loss"]
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _onehot(logits: Tensor, targets: Tensor) -> Tensor:
@@ -46,7 +43,7 @@ def _onehot(logits: Tensor, targets: Tensor) -> Tensor:
 def _chunk_stats(logits: Tensor, targets: Tensor, temperature: Tensor) -> tuple[Tensor, Tensor]:
     """logits [c, V] (model dtype), temperature 0-d (wide) -> (logprob of each target,
     logsumexp), both [c], wide."""
-    z = logits.to(_wide(logits.dtype)) / temperature
+    z = logits.to(accumulation_dtype(logits.dtype)) / temperature
     lse = torch.logsumexp(z, dim=-1)
     picked = torch.where(_onehot(logits, targets), z, 0).sum(-1)
     return picked - lse, lse
@@ -171,7 +168,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk):
         stats, _ = _kernels(hidden.device)
-        wide = _wide(hidden.dtype)
+        wide = accumulation_dtype(hidden.dtype)
         _check_targets(targets, weight.shape[0])
         out = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         lse = torch.empty_like(out)
@@ -234,7 +231,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, index, temperature, chunk, token_loss):
         stats, grad_fn = _kernels(hidden.device)
-        wide = _wide(hidden.dtype)
+        wide = accumulation_dtype(hidden.dtype)
         _check_targets(targets, weight.shape[0])
         logprobs = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
         loss = torch.zeros((), dtype=wide, device=hidden.device)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..numerics import accumulation_dtype
+
 __all__ = ["decode_attention", "merge_regions", "split_lengths", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("math", "flex")
@@ -33,10 +35,6 @@ IMPLEMENTATIONS = ("math", "flex")
 # ran 50x slower than N = 16); larger query sets are cut into tiles of 64
 _PROMPT_TILE_ROWS = 64
 _PROMPT_NUM_WARPS = 4
-
-
-def _wide(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def merge_regions(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
@@ -69,7 +67,7 @@ def _math_region(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float):
     Scores and softmax in float32 (float64 stays float64); bf16/fp16 probabilities meet V in
     its own dtype with float32 accumulation, as flash kernels do. A row with no valid key gets
     output 0 and log-sum-exp -inf."""
-    wide = _wide(q)
+    wide = accumulation_dtype(q.dtype)
     s = torch.einsum("bhmd,bhsd->bhms", q.to(wide), k.to(wide)) * scale
     s = s.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -127,7 +125,7 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
                                   score_mod=in_prompt, scale=scale, enable_gqa=True,
                                   return_aux=AuxRequest(lse=True),
                                   kernel_options=_prompt_kernel_options(n * hq // hkv))
-    wide = _wide(q)
+    wide = accumulation_dtype(q.dtype)
     out_p, lse_p = _merge_splits(out_p.view(groups, splits, hq, n, d).to(wide),
                                  aux_p.lse.view(groups, splits, hq, n).to(wide))
     out_r, aux_r = flex_attention(q.unsqueeze(2), resp_k, resp_v, score_mod=in_response,

@@ -172,3 +172,36 @@ def test_the_recipe_trains_a_qwen3_moe_checkpoint_and_writes_one_transformers_re
     again = tf.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf" / "epoch_2")
     for name, value in recipe.model.state_dict().items():  # exactly what the recipe held
         assert torch.equal(again.state_dict()[name], value), name
+
+
+def test_expert_load_weighted_by_token_rows_equals_the_replicated_batchs():
+    # a forward hook on each router collects its expert choices over the packed sequence;
+    # weighted by token_rows they count exactly the experts the plain model picks on the
+    # replicated rows' valid tokens (each shared prompt token once per row)
+    packed_model, plain = moe(), moe()
+    tokens, mask, p = make_batch([7, 3, 5], [[4, 2, 6], [3], [1, 5]], vocab=50,
+                                 generator=torch.Generator().manual_seed(3))
+
+    def collect(model):
+        seen = []
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(lambda m, i, out: seen.append(out[2].detach()))
+        return seen
+
+    ours, theirs = collect(packed_model), collect(plain)
+    wrapper = dk.optimize(packed_model)
+    wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert wrapper.uses_dualkv
+    weights = wrapper.token_rows(tokens, prompt_len=p, padding_mask=mask)
+    row_by_row_response_logprobs(plain, tokens, mask, p)
+    experts = packed_model.config.num_experts
+    layers = len(packed_model.model.layers)
+    load = [torch.zeros(experts, dtype=torch.long) for _ in range(layers)]
+    for i, chosen in enumerate(ours):  # one call: layer i's [T, k]
+        load[i] += torch.bincount(chosen.flatten(), weights.repeat_interleave(chosen.shape[1]),
+                                  minlength=experts).long()
+    want = [torch.zeros(experts, dtype=torch.long) for _ in range(layers)]
+    for i, chosen in enumerate(theirs):  # row by row: layers in order, then the next row
+        want[i % layers] += torch.bincount(chosen.flatten(), minlength=experts)
+    assert [x.tolist() for x in load] == [x.tolist() for x in want]
+    assert int(weights.sum()) == int(mask.sum())  # every replicated valid token, once
