@@ -198,13 +198,36 @@ def test_bench_suite_dispatches_each_benchmark(monkeypatch, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine with no GPU")
 def test_benchmarks_refuse_to_run_without_a_gpu(capsys):
-    from dualkv_compile.tools import bench_attention, bench_policy_update
+    from dualkv_compile.tools import bench_attention, bench_policy_update, bench_ragged
 
     for module in (bench_attention, bench_policy_update):
         with pytest.raises(SystemExit) as exit_info:
             module.main(["--shapes", "2,128,128"])
         assert exit_info.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench_ragged.main([])
+
+
+def test_ragged_benchmark_cases_are_seeded_and_within_the_issue_ranges():
+    # the layouts of `dualkv bench ragged` (GPU-only timing): 2-8 groups of N in {8, 16, 32},
+    # prompts in [0.1, 1] x the P cap, responses in [1, R cap], replicated tokens within the
+    # budget (groups dropped from the end), the same batch for the same seed
+    from dualkv_compile.tools.bench_ragged import CAPS, ragged_case
+
+    sizes = set()
+    for p_cap, r_cap in CAPS:
+        for seed in range(6):
+            tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, 262144)
+            assert n in (8, 16, 32) and 1 <= len(prompts) <= 8 and p == max(prompts)
+            assert all(p_cap // 10 <= x <= p_cap for x in prompts)
+            assert all(1 <= r <= r_cap for rs in responses for r in rs)
+            assert int(mask.sum()) == sum(x * n + sum(rs) for x, rs in zip(prompts, responses))
+            assert int(mask.sum()) <= 262144 or len(prompts) == 1
+            sizes.add((len(prompts), n))
+            again = ragged_case(seed, p_cap, r_cap, 262144)
+            assert torch.equal(tokens, again[0]) and torch.equal(mask, again[1])
+    assert len(sizes) > 3  # the seeds give different group counts and sizes
 
 
 def test_step_profile_idle_gaps_count_overlaps_once_and_sort_longest_first():

@@ -7,6 +7,7 @@
     python -m dualkv_compile.tools.bench mask-forms [...]  # two equal mask_mods, one block mask
     python -m dualkv_compile.tools.bench linears [--tokens T ...] # projection GEMMs, fused or not
     python -m dualkv_compile.tools.bench rollout [--layers L ...]  # sampling: engine vs generate
+    python -m dualkv_compile.tools.bench ragged  [--seeds S ...]   # attention on ragged batches
 
 Every benchmark shares the N,P,R shape argument, writes JSON with the GPU, torch, triton, CUDA
 (and flash-attn-4) versions, shapes, dtype, warm-up and repeat counts, reports medians, and runs
@@ -29,6 +30,7 @@ SUITE = {
     "mask-forms": ("dualkv_compile.tools.bench_mask_forms", []),
     "linears": ("dualkv_compile.tools.bench_linears", []),
     "rollout": ("dualkv_compile.tools.bench_rollout", []),
+    "ragged": ("dualkv_compile.tools.bench_ragged", []),
 }
 
 

@@ -1,0 +1,167 @@
+"""Attention forward+backward on ragged GRPO micro-batches, the layouts real rollouts give. Not a
+test.
+
+    python -m dualkv_compile.tools.bench ragged --out docs/results/attention_ragged_h100
+
+Cases, seeded: for each (P cap, R cap) of (2K, 512), (4K, 1K), (8K, 2K) and each seed, 2-8
+groups of N in {8, 16, 32} rows, prompt lengths drawn in [0.1, 1] x the P cap, response lengths
+in [1, R cap]; groups are dropped from the end until the replicated tokens fit `--max-tokens`.
+Variants, timed in interleaved rounds in one process:
+- fa4_varlen: flash-attn-4's varlen causal kernel on the replicated rows with the padding
+  removed (the remove-padding path veRL and TRL users run): the baseline;
+- cudnn_dense: cuDNN causal SDPA on the padded [B, L] rows;
+- ours_<kernel>: shared_prefix_attention on the packed batch.
+ideal = varlen pairs / packed pairs (PackedBatch.pair_reduction); "x ideal" = (fa4_varlen ms /
+ours ms) / ideal, so 1.0 means a packed pair costs what a varlen pair does.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from dualkv_compile import pack, shared_prefix_attention
+from dualkv_compile.testing import make_batch
+from dualkv_compile.tools._common import environment, interleaved_medians, write_results
+
+CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
+
+
+def ragged_case(seed: int, p_cap: int, r_cap: int, max_tokens: int):
+    """(tokens [B, L], padding_mask, prompt_len, group_size, prompt lengths, response lengths)
+    of one seeded ragged micro-batch; left-padded prompts, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
+    groups, n = draw(2, 8), (8, 16, 32)[draw(0, 2)]
+    prompts = [draw(max(1, p_cap // 10), p_cap) for _ in range(groups)]
+    responses = [[draw(1, r_cap) for _ in range(n)] for _ in range(groups)]
+    while groups > 1 and sum(p * n + sum(rs) for p, rs in zip(prompts, responses)) > max_tokens:
+        groups -= 1
+        prompts, responses = prompts[:groups], responses[:groups]
+    tokens, mask, p = make_batch(prompts, responses, vocab=1000, generator=g)
+    return tokens, mask, p, n, prompts, responses
+
+
+def _varlen(mask, hq, hkv, d):
+    """fwd+bwd of FA4's varlen causal kernel over each row's valid tokens, concatenated."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    lengths = mask.sum(1).to(torch.int32)
+    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)).cuda()
+    total, longest = int(lengths.sum()), int(lengths.max())
+    x = [torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+         for h in (hq, hkv, hkv)]
+    gout = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out = flash_attn_varlen_func(*x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                     max_seqlen_k=longest, causal=True)
+        (out[0] if isinstance(out, tuple) else out).backward(gout)
+    run()
+    return run, x
+
+
+def _dense(mask, hq, hkv, d):
+    """fwd+bwd of cuDNN causal SDPA on the padded rows."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, length = mask.shape
+    x = [torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+         for h in (hq, hkv, hkv)]
+    gout = torch.randn(b, hq, length, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True).backward(gout)
+    run()
+    return run, x
+
+
+def _ours(pb, kernel, hq, hkv, d):
+    x = [torch.randn(1, h, pb.seq_len, d, device="cuda", dtype=torch.bfloat16,
+                     requires_grad=True) for h in (hq, hkv, hkv)]
+    gout = torch.randn(1, hq, pb.seq_len, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        shared_prefix_attention(*x, pb, attention_backend=kernel).backward(gout)
+    run()  # compiles once per packed-length bucket
+    return run, x
+
+
+def run_case(seed, p_cap, r_cap, args) -> dict:
+    tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
+    pb = pack(tokens.cuda(), prompt_len=p, padding_mask=mask.cuda())
+    row = {"seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
+           "prompt_lengths": prompts, "mean_response": sum(map(sum, responses)) / (len(prompts) * n),
+           "rows": tokens.shape[0], "padded_tokens": mask.numel(),
+           "replicated_tokens": pb.replicated_tokens, "packed_tokens": pb.num_tokens,
+           "T": pb.seq_len, "ideal": pb.pair_reduction}
+    dims = (args.heads, args.kv_heads, args.head_dim)
+    variants = {}
+    for name, build in [("fa4_varlen", lambda: _varlen(mask, *dims)),
+                        ("cudnn_dense", lambda: _dense(mask, *dims))] + [
+            (f"ours_{k}", lambda k=k: _ours(pb, k, *dims)) for k in args.kernels]:
+        try:
+            variants[name] = build()
+        except (torch.OutOfMemoryError, RuntimeError, ImportError) as e:
+            row[name] = {"ms": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+    for name, ms in interleaved_medians(variants, rounds=args.rounds, warmup_ms=50,
+                                        rep_ms=args.rep_ms).items():
+        row[name] = {"ms": ms}
+    base = row.get("fa4_varlen", {}).get("ms")
+    for k in args.kernels:
+        ours = row.get(f"ours_{k}", {}).get("ms")
+        if base and ours:
+            row[f"ours_{k}"]["x_ideal"] = base / ours / pb.pair_reduction
+    return row
+
+
+def _table(rows, kernels) -> str:
+    head = ("| P cap | R cap | seed | groups x N | ideal | FA4 varlen ms | cuDNN dense ms | "
+            + " | ".join(f"{k} ms (x ideal)" for k in kernels) + " |")
+    lines = ["Ragged shared-prefix attention, fwd+bwd, bf16\n", head,
+             "|" + "---|" * (7 + len(kernels))]
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for r in rows:
+        ours = [f"{fmt(r.get(f'ours_{k}', {}).get('ms'))} "
+                f"({fmt(r.get(f'ours_{k}', {}).get('x_ideal'))})" for k in kernels]
+        lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['groups']} x {r['N']} | "
+                     f"{r['ideal']:.2f} | {fmt(r.get('fa4_varlen', {}).get('ms'))} | "
+                     f"{fmt(r.get('cudnn_dense', {}).get('ms'))} | " + " | ".join(ours) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--caps", nargs="+", default=[f"{p},{r}" for p, r in CAPS],
+                    help="P_cap,R_cap pairs")
+    ap.add_argument("--kernels", nargs="+", default=["auto"],
+                    help="attention kernels of ours (DualKVConfig.attention_backend values)")
+    ap.add_argument("--max-tokens", type=int, default=262144,
+                    help="replicated tokens per micro-batch at most")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep-ms", type=int, default=600)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the ragged attention benchmark needs a CUDA GPU")
+    rows = []
+    for caps in args.caps:
+        p_cap, r_cap = (int(x) for x in caps.split(","))
+        for seed in args.seeds:
+            rows.append(run_case(seed, p_cap, r_cap, args))
+            torch.cuda.empty_cache()
+    meta = environment() | {"dtype": "bfloat16", "heads": args.heads, "kv_heads": args.kv_heads,
+                            "head_dim": args.head_dim, "rounds": args.rounds,
+                            "rep_ms": args.rep_ms, "max_tokens": args.max_tokens}
+    write_results(args.out, meta, rows, _table(rows, args.kernels))
+
+
+if __name__ == "__main__":
+    main()
