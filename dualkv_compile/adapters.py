@@ -9,6 +9,33 @@ from torch import Tensor, nn
 __all__ = ["HF_FAMILIES", "adapter_for"]
 
 
+# the name of the hook transformers' enable_input_require_grads() registers (a local function;
+# its handles cannot be read inside a traced function)
+_REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
+
+
+def _embed_without_require_grads_hook(model, tokens):
+    """The input embeddings of `tokens` with the embedding's forward hooks applied except
+    transformers' require-grads hook, or None where that hook is absent or the hooks are not
+    plain forward hooks (the model then embeds the tokens itself, hooks and all).
+
+    gradient_checkpointing_enable() hooks the embedding to call `requires_grad_(True)` on its
+    output, which reentrant checkpointing needs; torch 2.11's Dynamo cannot trace that call
+    (graph break gb0125), so every no-grad call of a checkpointed model in train mode failed.
+    The packed graph inlines the checkpoints, so that hook has nothing to do there."""
+    embed = model.get_input_embeddings()
+    hooks = list(embed._forward_hooks.values())
+    if (all(getattr(h, "__name__", None) != _REQUIRE_GRADS_HOOK for h in hooks)
+            or embed._forward_pre_hooks or embed._forward_hooks_with_kwargs):
+        return None
+    out = embed.forward(tokens)
+    for hook in hooks:
+        if getattr(hook, "__name__", None) != _REQUIRE_GRADS_HOOK:
+            result = hook(embed, (tokens,), out)
+            out = out if result is None else result
+    return out
+
+
 def _check_head(weight_module, name: str) -> None:
     bias = getattr(weight_module, "bias", None)
     if bias is not None:
@@ -140,8 +167,9 @@ class _HuggingFace:
 
     def body(self, model, tokens, positions, mask=None):
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        out = base(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                   use_cache=False)
+        embeds = _embed_without_require_grads_hook(model, tokens)
+        inputs = {"input_ids": tokens} if embeds is None else {"inputs_embeds": embeds}
+        out = base(**inputs, attention_mask=mask, position_ids=positions, use_cache=False)
         return out.last_hidden_state
 
     def head(self, model, hidden):

@@ -162,3 +162,23 @@ def test_every_inlined_function_call_carries_the_recompute_tags(family):
     assert not any(n.target is torch.ops.higher_order.tag_activation_checkpoint
                    for n in inlined.graph.nodes)
     assert not any(name.startswith("wrap_body") for name, _ in inlined.named_children())
+
+
+def test_no_grad_calls_of_a_checkpointed_hf_model_in_train_mode():
+    # gradient_checkpointing_enable() hooks the embedding to call requires_grad_ on its output;
+    # torch 2.11's Dynamo could not trace that call, so old/reference logprobs (no_grad) of a
+    # checkpointed transformers model in train mode failed. The packed body embeds without that
+    # hook (the checkpoints are inlined, it has nothing to do) and keeps any other hook.
+    model = checkpointed("hf_qwen3")
+    tokens, mask, p = batch()
+    wrapper = dk.optimize(model)
+    with torch.no_grad():
+        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        ref = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert wrapper.uses_dualkv and rel_err(lp, ref) < TOL
+    calls = []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert calls and rel_err(lp, ref) < TOL  # a user's own hook still runs
