@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dualkv_compile.attention import selection as attention_backend
+from dualkv_compile.attention import selection
 from dualkv_compile.attention.kernel_options import (
     TRITON_OPTIONS_BY_ARCH,
     kernel_options_for,
@@ -51,14 +51,14 @@ def fake_gpu(monkeypatch):
     def make(capability, flash_installed):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        real_find_spec = attention_backend.importlib.util.find_spec
-        monkeypatch.setattr(attention_backend.importlib.util, "find_spec",
+        real_find_spec = selection.importlib.util.find_spec
+        monkeypatch.setattr(selection.importlib.util, "find_spec",
                             lambda name: (object() if flash_installed else None)
                             if name == "flash_attn.cute" else real_find_spec(name))
-        attention_backend._resolve.cache_clear()
+        selection._resolve.cache_clear()
         return torch.device("cuda", 0)
     yield make
-    attention_backend._resolve.cache_clear()
+    selection._resolve.cache_clear()
 
 
 def test_auto_takes_flash_where_it_imports_on_hopper(fake_gpu):
