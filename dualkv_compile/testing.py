@@ -11,6 +11,7 @@ from .numerics import accumulation_dtype
 
 __all__ = [
     "make_batch",
+    "mixed_batch",
     "packed_forward_backward",
     "row_by_row_logits",
     "row_by_row_response_logprobs",
@@ -207,6 +208,16 @@ def tiny_model(family: str, *, vocab: int = 101, seed: int = 0, dim: int = 32,
         return model.eval()
     raise ValueError(f"unknown family {family!r}; one of qwen2_5, llama3_2, hf_qwen3, hf_llama, "
                      "hf_qwen3_moe")
+
+
+def mixed_batch(seed: int = 0, vocab: int = 101) -> tuple[Tensor, Tensor, int]:
+    """The tests' standard GRPO batch: three groups (prompts of 9, 5 and 1 valid tokens,
+    left-padded), ragged and empty responses, rows shuffled so groups interleave; token ids
+    below `vocab`."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, mask, p = make_batch([9, 5, 1], [[6, 0, 11], [3, 3], [7]], shuffle=True,
+                                 vocab=vocab - 2, generator=g)
+    return tokens % vocab, mask, p
 
 
 def row_by_row_logits(model, tokens: Tensor, padding_mask: Tensor) -> list[Tensor]:

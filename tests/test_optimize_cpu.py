@@ -7,6 +7,7 @@ import torch
 import dualkv_compile as dk
 from dualkv_compile.testing import (
     make_batch,
+    mixed_batch,
     rel_err,
     row_by_row_logits,
     row_by_row_response_logprobs,
@@ -17,15 +18,6 @@ from dualkv_compile.testing import (
 import transformers  # noqa: E402,F401  (a test dependency: fail loudly if it is missing)
 FAMILIES = ["qwen2_5", "llama3_2", "hf_qwen3", "hf_llama"]
 TOL = 1e-10
-
-
-def batch(seed=0, vocab=101):
-    # three groups (prompts of 9, 5 and 1 valid tokens, left-padded), ragged and empty responses,
-    # rows shuffled so groups interleave
-    g = torch.Generator().manual_seed(seed)
-    tokens, mask, p = make_batch([9, 5, 1], [[6, 0, 11], [3, 3], [7]], shuffle=True,
-                                 vocab=vocab - 2, generator=g)
-    return tokens % vocab, mask, p
 
 
 def grpo_loss(lp, mask, prompt_len, advantages):
@@ -50,7 +42,7 @@ def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backen
     (regions.py) with PyTorch's CPU flash kernel, partitioned by AOTAutograd; "flash_regions":
     its op (flash_regions.py) with the explicit math that stands in for FA4 on CPU."""
     model = same_dtype_numerics(tiny_model(family)).double()
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     wrapper = dk.optimize(model, dk.DualKVConfig(attention_backend=attention_backend))
 
     logits = wrapper(tokens, prompt_len=p, padding_mask=mask)
@@ -103,7 +95,7 @@ def test_response_loss_matches_row_by_row(family, enabled):
     from dualkv_compile.rl import GRPOLoss
 
     model = same_dtype_numerics(tiny_model(family)).double()
-    tokens, mask, p = batch(seed=2)
+    tokens, mask, p = mixed_batch(seed=2)
     wrapper = dk.optimize(model, dk.DualKVConfig(enabled=enabled, logprob_chunk_size=5))
     resp = mask[:, p:]
     g = torch.Generator().manual_seed(3)
@@ -135,7 +127,7 @@ def test_response_loss_matches_row_by_row(family, enabled):
 def test_unmodified_models_match_to_float32_rounding(family):
     # the families' own norms/RoPE compute in float32; the packed result still agrees to that
     model = tiny_model(family).double()
-    tokens, mask, p = batch(seed=1)
+    tokens, mask, p = mixed_batch(seed=1)
     lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     ref = row_by_row_response_logprobs(model, tokens, mask, p)
     assert rel_err(lp.detach(), ref.detach()) < 1e-5
@@ -143,7 +135,7 @@ def test_unmodified_models_match_to_float32_rounding(family):
 
 def test_rewritten_graph_has_no_sdpa_and_no_lm_head():
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     wrapper = dk.optimize(model)
     seen = {}
     real = dk.optimize.__globals__["chunked_logprobs"]
@@ -170,7 +162,7 @@ def test_rewritten_graph_has_no_sdpa_and_no_lm_head():
 
 def test_hf_model_mask_code_is_removed():
     model = same_dtype_numerics(tiny_model("hf_qwen3")).double()
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     wrapper = dk.optimize(model)
     wrapper(tokens, prompt_len=p, padding_mask=mask)
     gm = wrapper._backends["logits"].last_graph
@@ -200,7 +192,7 @@ def mixing_model():
 def test_refusal_error_names_op_and_line():
     from dualkv_compile.passes._common import Refusal
 
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     wrapper = dk.optimize(mixing_model(), dk.DualKVConfig(fallback="error"))
     with pytest.raises(Refusal, match=r"cumsum.*test_optimize_cpu\.py.*x\.cumsum\(dim=1\)"):
         wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
@@ -224,7 +216,7 @@ def test_refusal_dense_fallback_runs_the_plain_model_logged_once(caplog):
 
 def test_disabled_runs_the_plain_model():
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     lp = dk.optimize(model, dk.DualKVConfig(enabled=False)).response_logprobs(
         tokens, prompt_len=p, padding_mask=mask)
     ref = row_by_row_response_logprobs(model, tokens, mask, p)
@@ -239,7 +231,7 @@ def test_wrapper_shares_parameters_and_state_dict_keys():
     wrapper = dk.optimize(model)
     assert list(wrapper.state_dict()) == list(model.state_dict())
     assert {id(p) for p in wrapper.parameters()} == {id(p) for p in model.parameters()}
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask).sum().backward()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert type(model).forward is forward_before  # nothing patched: the class, SDPA itself
@@ -281,7 +273,7 @@ def test_geometric_buckets_bound_the_compiles():
 
 def test_forward_accepts_the_models_own_arguments():
     model = same_dtype_numerics(tiny_model("hf_llama")).double()
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     wrapper = dk.optimize(model)
     out = wrapper(input_ids=tokens, attention_mask=mask.long(), prompt_len=p)
     ref = row_by_row_logits(model, tokens, mask)
@@ -333,7 +325,7 @@ def test_positions_made_inside_the_model_are_refused(wrapper, message):
 
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
     model.layers[0].mlp = wrapper(model.layers[0].mlp)
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     with pytest.raises(Refusal, match=message):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
@@ -344,7 +336,7 @@ def test_attention_dropout_is_refused():
     model = same_dtype_numerics(tiny_model("qwen2_5")).double().train()
     for layer in model.layers:
         layer.attn.attn_dropout = 0.1
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     with pytest.raises(Refusal, match="dropout_p=0.1"):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
@@ -400,7 +392,7 @@ def test_torchtune_mask_and_input_pos_are_accepted():
     )
 
     model = same_dtype_numerics(tiny_model("llama3_2")).double()
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     assert not mask[:, -1].all() and mask[:, -1].any()  # the last column is ambiguous in the mask
     tt_mask = get_causal_mask_from_padding_mask(mask)
     input_pos = get_position_ids_from_padding_mask(mask)

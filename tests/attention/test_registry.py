@@ -6,7 +6,8 @@ import torch
 
 import dualkv_compile as dk
 from dualkv_compile.attention.registry import FLEX_KERNELS, KERNELS, attention_kernel
-from dualkv_compile.testing import tiny_model
+from dualkv_compile.reference import reference_shared_prefix_attention
+from dualkv_compile.testing import make_batch, tiny_model
 
 
 def test_every_kernel_is_a_config_choice_and_says_why_it_is_kept():
@@ -21,20 +22,32 @@ def test_every_kernel_is_a_config_choice_and_says_why_it_is_kept():
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_options_only_for_flex_kernels(name):
     if name in FLEX_KERNELS:
-        assert dk.DualKVConfig(attention_backend=name, kernel_options={"BLOCK_M": 64})
+        config = dk.DualKVConfig(attention_backend=name, kernel_options={"BLOCK_M": 64})
+        assert config.kernel_options == {"BLOCK_M": 64}
     else:
         with pytest.raises(ValueError, match=f"attention_backend='{name}' does not use it"):
             dk.DualKVConfig(attention_backend=name, kernel_options={"BLOCK_M": 64})
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_region_kernels_run_their_registered_op_and_flex_kernels_have_none(name):
+def test_region_kernels_run_their_op_and_flex_kernels_have_none(name):
+    # the op a region kernel names computes the shared-prefix attention (CPU, float64)
     kernel = attention_kernel(name)
     if kernel.flex:
         with pytest.raises(ValueError, match="flex kernel"):
             kernel.graph_op()
-    else:
-        assert kernel.graph_op() is getattr(torch.ops.dualkv, f"{name}_attention")
+        return
+    g = torch.Generator().manual_seed(0)
+    tokens, mask, p = make_batch([5, 2], [[3, 0, 4], [6]], vocab=50, generator=g)
+    packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v = (torch.randn(1, h, packed.seq_len, 8, generator=g, dtype=torch.float64)
+               for h in (4, 2, 2))
+    out = kernel.graph_op()(q, k, v, packed.segment_ids[0], packed.prefix_segment_ids[0],
+                            8 ** -0.5)[0]
+    want = reference_shared_prefix_attention(q, k, v, packed, scale=8 ** -0.5)
+    valid = torch.ones(packed.seq_len, dtype=torch.bool)
+    valid[slice(*packed.padding_span)] = False  # padding positions are unspecified
+    assert (out - want)[..., valid, :].abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

@@ -7,7 +7,7 @@ import torch
 
 import dualkv_compile as dk
 from dualkv_compile.testing import (
-    make_batch,
+    mixed_batch,
     rel_err,
     row_by_row_logits,
     row_by_row_response_logprobs,
@@ -16,13 +16,6 @@ from dualkv_compile.testing import (
 )
 
 TOL = 1e-10
-
-
-def batch(seed=0, vocab=101):
-    g = torch.Generator().manual_seed(seed)
-    tokens, mask, p = make_batch([9, 5, 1], [[6, 0, 11], [3, 3], [7]], shuffle=True,
-                                 vocab=vocab - 2, generator=g)
-    return tokens % vocab, mask, p
 
 
 def _checkpointed(model):
@@ -40,7 +33,7 @@ def test_layer_region_matches_row_by_row(family, checkpointed, attention_backend
     model = same_dtype_numerics(tiny_model(family)).double()
     if checkpointed:
         model = _checkpointed(model)
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     wrapper = dk.optimize(model, dk.DualKVConfig(compile_region="layer",
                                                  attention_backend=attention_backend))
     assert wrapper.compile_region() == "layer"
@@ -75,7 +68,7 @@ def test_auto_region_is_model_for_an_unsharded_model():
 
 def test_layer_region_refuses_transformers_models():
     wrapper = dk.optimize(tiny_model("hf_qwen3"), dk.DualKVConfig(compile_region="layer"))
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     with pytest.raises(ValueError, match="torchtune decoders only"):
         wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
@@ -84,7 +77,7 @@ def test_layer_region_refuses_hooked_layers():
     model = tiny_model("qwen2_5")
     model.layers[1].register_forward_hook(lambda mod, args, out: out)
     wrapper = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
-    tokens, mask, p = batch()
+    tokens, mask, p = mixed_batch()
     with pytest.raises(ValueError, match="layer 1 has forward hooks"):
         wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
