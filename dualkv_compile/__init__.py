@@ -3,21 +3,11 @@
 Importing this package must not initialise CUDA (tests/test_import.py checks it).
 """
 
-import logging as _logging
+from ._quiet import install_filter as _install_filter
 
+_install_filter()
 
-class _KnownNoise(_logging.Filter):
-    """torchao 0.15 (torchtune's pin) logs this at import under every torch it was not built
-    for; nothing a user can act on (its Python paths work), so it is dropped."""
-
-    def filter(self, record):
-        return not record.getMessage().startswith(
-            "Skipping import of cpp extensions due to incompatible torch version")
-
-
-_logging.getLogger("torchao").addFilter(_KnownNoise())
-
-from .attention.op import shared_prefix_attention  # noqa: E402
+from .attention.op import shared_prefix_attention
 from .config import DualKVConfig
 from .layout.plan import MicroBatchPlan, micro_batch_rows, plan_micro_batches
 from .optimize import DualKVModel, optimize

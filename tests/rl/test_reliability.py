@@ -211,3 +211,11 @@ def test_importing_the_library_prints_no_third_party_noise():
     proc = subprocess.run([sys.executable, "-c", "import dualkv_compile, torchtune, torchao"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr
+
+
+def test_tune_run_prints_no_torchao_line_before_our_code_runs():
+    # `tune` imports torchtune (and with it torchao) before it loads the recipe; the .pth file
+    # the install writes filters torchao's line at interpreter start.
+    proc = subprocess.run([sys.executable, "-c", "import torchtune._cli.tune"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr
