@@ -46,11 +46,7 @@ def find_anchor(graph: fx.Graph) -> fx.Node:
 
 
 def _mask_graph() -> fx.GraphModule:
-    def shared_prefix_mask(b, h, q_idx, kv_idx, segment_ids, prefix_segment_ids):
-        seg_kv = segment_ids[kv_idx]
-        same = seg_kv == segment_ids[q_idx]
-        in_prompt = seg_kv == prefix_segment_ids[q_idx]
-        return (kv_idx <= q_idx) & (same | in_prompt)
+    from dualkv_compile.attention.block_mask import shared_prefix_mask
 
     return fx.symbolic_trace(shared_prefix_mask)
 
@@ -271,24 +267,19 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
                 backend: str) -> None:
     """SDPA -> torch.ops.dualkv.regions_attention (regions.py) or, for "flash_regions",
     torch.ops.dualkv.flash_regions_attention (flash_regions.py), fed the 1-D segment tables."""
-    from dualkv_compile.attention.selection import flash_status
-    from dualkv_compile.attention.regions import CUDNN_DTYPES
-
-    op = attention_kernel(backend).graph_op()
+    kernel = attention_kernel(backend)
+    op = kernel.graph_op()
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
         repeated = _fold_gqa_repeat(args, node)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
-        if q.device.type == "cuda" and backend == "flash_regions":
-            ok, reason = flash_status(q.device, q.shape[-1], q.dtype)
+        if q.device.type == "cuda":
+            ok, reason = kernel.cuda_status(q.device, q.shape[-1], q.dtype)
             if not ok:
-                raise Refusal(f"attention at {source_line(node)}: attention_backend="
-                              f"'flash_regions' cannot run: {reason}")
-        elif q.device.type == "cuda" and q.dtype not in CUDNN_DTYPES:
-            raise Refusal(f"attention at {source_line(node)} is {q.dtype}; "
-                          f"attention_backend='regions' runs cuDNN on CUDA, which needs bf16 "
-                          f"or fp16")
+                raise Refusal(f"attention at {source_line(node)} ({q.dtype}, head dim "
+                              f"{q.shape[-1]}): attention_backend={backend!r} cannot run: "
+                              f"{reason}")
         if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
             raise Refusal(f"attention at {source_line(node)} has head dims q {q.shape[-1]}, "
                           f"k {k.shape[-1]}, v {v.shape[-1]}; the regions op needs them equal")

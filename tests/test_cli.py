@@ -5,6 +5,7 @@ import struct
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,3 +270,38 @@ def test_step_benchmark_compiled_adamw_steps_like_eager_adamw():
         # rounded there); eager AdamW uses Python floats: the updates agree to ~1e-5
         torch.testing.assert_close(y.detach() - x0, moved, rtol=1e-4, atol=0)
     assert counters["stats"]["unique_graphs"] > graphs  # the step did run under Dynamo
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_ab_prepares_another_commit_that_imports_beside_this_one(tmp_path):
+    # `dualkv bench ab --prepare` renames the package and its ops so both load in one process;
+    # the other copy (here HEAD) must compute what this tree computes (CPU fp64, both the
+    # reference and the regions kernel). A subprocess keeps the second op namespace out of ours.
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: --prepare reads the commit from git")
+    from dualkv_compile.tools.bench_ab import main
+
+    main(["--prepare", "HEAD", "--other-dir", str(tmp_path)])
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(tmp_path)!r})
+import dualkv_compile as this, dualkv_other as other
+from dualkv_compile.testing import make_batch
+assert other.__file__.startswith({str(tmp_path)!r})
+tokens, mask, p = make_batch([37, 20], [[5, 9], [3, 4]], vocab=100)
+for kernel in ("auto", "regions"):
+    outs = []
+    for lib in (this, other):
+        pb = lib.pack(tokens, prompt_len=p, padding_mask=mask)
+        torch.manual_seed(0)
+        x = [torch.randn(1, h, pb.seq_len, 16, dtype=torch.float64) for h in (4, 2, 2)]
+        outs.append(lib.shared_prefix_attention(*x, pb, attention_backend=kernel))
+    assert torch.equal(outs[0], outs[1]), kernel
+print("same")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "same", proc.stderr[-2000:]

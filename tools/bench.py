@@ -8,6 +8,7 @@
     python -m dualkv_compile.tools.bench linears [--tokens T ...] # projection GEMMs, fused or not
     python -m dualkv_compile.tools.bench rollout [--layers L ...]  # sampling: engine vs generate
     python -m dualkv_compile.tools.bench ragged  [--seeds S ...]   # attention on ragged batches
+    python -m dualkv_compile.tools.bench ab --other-dir DIR [...]  # this tree vs another commit
 
 Every benchmark shares the N,P,R shape argument, writes JSON with the GPU, torch, triton, CUDA
 (and flash-attn-4) versions, shapes, dtype, warm-up and repeat counts, reports medians, and runs
@@ -31,6 +32,7 @@ SUITE = {
     "linears": ("dualkv_compile.tools.bench_linears", []),
     "rollout": ("dualkv_compile.tools.bench_rollout", []),
     "ragged": ("dualkv_compile.tools.bench_ragged", []),
+    "ab": ("dualkv_compile.tools.bench_ab", []),
 }
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "block_classes",
     "dense_mask",
     "shared_prefix_block_mask",
+    "shared_prefix_mask",
     "shared_prefix_mask_mod",
 ]
 
@@ -28,16 +29,22 @@ BLOCK_SIZE = 128
 _CHUNK_ELEMENTS = 1 << 24  # bound on the [q-blocks, BLOCK, kv-blocks] work tensors
 
 
+def shared_prefix_mask(b, h, q_idx, kv_idx, segment_ids, prefix_segment_ids):
+    """The mask, the one definition (the attention rewrite traces it into its graphs): a query
+    sees an earlier key of its own segment or of its prompt (1-D tables [T])."""
+    seg_kv = segment_ids[kv_idx]
+    same = seg_kv == segment_ids[q_idx]
+    in_prompt = seg_kv == prefix_segment_ids[q_idx]
+    return (kv_idx <= q_idx) & (same | in_prompt)
+
+
 def shared_prefix_mask_mod(segment_ids: Tensor, prefix_segment_ids: Tensor):
-    """mask_mod over 1-D tables [T]: same segment, or the key is in the query's prompt."""
+    """flex's mask_mod over the 1-D tables [T]."""
 
-    def shared_prefix_mask(b, h, q_idx, kv_idx):
-        seg_kv = segment_ids[kv_idx]
-        same = seg_kv == segment_ids[q_idx]
-        in_prompt = seg_kv == prefix_segment_ids[q_idx]
-        return (kv_idx <= q_idx) & (same | in_prompt)
+    def mask_mod(b, h, q_idx, kv_idx):
+        return shared_prefix_mask(b, h, q_idx, kv_idx, segment_ids, prefix_segment_ids)
 
-    return shared_prefix_mask
+    return mask_mod
 
 
 def dense_mask(packed: PackedBatch) -> Tensor:

@@ -26,7 +26,7 @@ from . import flash_regions  # noqa: F401  (registers torch.ops.dualkv.flash_reg
 from .block_mask import shared_prefix_block_mask
 from .flash_causal import block_aligned, flash_causal_attention
 from .kernel_options import kernel_options_for
-from .regions import two_region_attention
+from . import regions  # noqa: F401  (registers torch.ops.dualkv.regions_attention)
 from .registry import attention_kernel
 from .selection import resolve_attention_backend
 
@@ -151,8 +151,8 @@ def shared_prefix_attention(
     if not kernel.flex and kernel_options:
         raise ValueError(f"kernel_options={kernel_options!r} configure flex_attention; "
                          f"attention_backend={attention_backend!r} does not use it")
-    if attention_backend == "regions" and not torch.compiler.is_compiling():
-        return two_region_attention(q, k, v, packed, scale=scale)  # the batch's own plan
+    if kernel.eager_call is not None and not torch.compiler.is_compiling():
+        return kernel.eager()(q, k, v, packed, scale=scale)  # the batch's own plan
     if not kernel.flex:  # the region kernels' opaque ops
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return kernel.graph_op()(q, k, v, *_segment_tables(packed, q.device), scale)[0]

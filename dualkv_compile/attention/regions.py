@@ -29,10 +29,10 @@ from torch.autograd.function import once_differentiable
 
 from ..layout.packing import PackedBatch
 from ..numerics import accumulation_dtype
+from .registry import CUDNN_DTYPES
 
-__all__ = ["CUDNN_DTYPES", "plan_of_tables", "two_region_attention", "regions_attention_op"]
+__all__ = ["plan_of_tables", "two_region_attention", "regions_attention_op"]
 
-CUDNN_DTYPES = (torch.bfloat16, torch.float16)  # what the CUDA kernels (cuDNN) compute in
 
 
 # ---- the dense kernels: forward -> (out, lse [B, H, L], aux); backward with a given out, lse ---

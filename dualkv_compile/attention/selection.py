@@ -3,9 +3,10 @@
 FLASH is FlexAttention lowered to FlashAttention-4 through the CuTe DSL (the `flash` extra:
 flash-attn-4), for Hopper and Blackwell; it ran the shared-prefix mask at or above the ideal pair
 reduction (docs/performance.md). TRITON is Inductor's flex template, which runs everywhere.
-"auto" takes FLASH where it imports and the GPU supports it, else TRITON; the choice and its
-reason are logged once per device, head dim and dtype. Asking for "flash" where it cannot run
-raises.
+"auto" picks from the measurements committed for the GPU it runs on (`MEASURED`: the ragged
+GRPO layouts real rollouts give, and the aligned ones); on a GPU without them, FLASH where it
+imports and the GPU supports it, else TRITON. The choice, the GPU and the reason are logged once
+per device, head dim and dtype. Asking for "flash" where it cannot run raises.
 """
 
 from __future__ import annotations
@@ -53,17 +54,44 @@ def flash_status(device: torch.device, head_dim: int | None = None,
     return True, f"flash-attn-4 imports and the GPU is sm_{major}{minor}"
 
 
+# GPU name fragment -> (kernel "auto" takes with FA4, without FA4, the measurement behind it).
+# "auto" is a flex kernel (one compiled graph serves every layout); the region kernels stay
+# opt-in: on ragged layouts they lose to it (regions everywhere, flash_regions at small caps).
+MEASURED = {
+    "H100": ("FLASH", "TRITON",
+             "fwd+bwd on ragged GRPO micro-batches, x the ideal pair reduction against FA4 "
+             "varlen: flex FLASH 0.66-0.84, flash_regions 0.53-0.85, flex Triton 0.61-0.71, "
+             "regions 0.12-0.51 (docs/results/attention_ragged_h100.md)"),
+}
+
+
+def _measured(device: torch.device) -> tuple[str, str, str] | None:
+    name = torch.cuda.get_device_name(device)
+    return next(((name, *row) for key, row in MEASURED.items() if key in name), None)
+
+
 @functools.lru_cache(maxsize=None)
 def _resolve(requested: str, device: torch.device, head_dim: int | None,
              dtype: torch.dtype | None) -> str:
     available, reason = flash_status(device, head_dim, dtype)
     if requested == "flash" and not available:
         raise ValueError(f"attention_backend='flash' cannot run: {reason}")
-    chosen = "FLASH" if requested == "flash" or (requested == "auto" and available) else "TRITON"
-    # a fallback from "auto" to Triton is worth a warning (it is slower); a choice is info
-    level = logging.WARNING if requested == "auto" and not available else logging.INFO
-    log.log(level, "dualkv attention backend on %s: %s (requested %r; %s)", device, chosen,
-            requested, reason)
+    if requested != "auto":
+        chosen = "FLASH" if requested == "flash" else "TRITON"
+        log.info("dualkv attention on %s: %s (requested %r; %s)", device, chosen, requested,
+                 reason)
+        return chosen
+    measured = _measured(device)
+    if measured is None:
+        chosen = "FLASH" if available else "TRITON"
+        why = f"no measurements committed for {torch.cuda.get_device_name(device)}: by capability"
+    else:
+        name, with_fa4, without_fa4, evidence = measured
+        chosen = with_fa4 if available else without_fa4
+        why = f"measured on {name}: {evidence}"
+    # a fallback to Triton is worth a warning (installing flash-attn-4 would be faster)
+    level = logging.INFO if available else logging.WARNING
+    log.log(level, "dualkv attention on %s: auto chose %s (%s; %s)", device, chosen, reason, why)
     return chosen
 
 
@@ -85,21 +113,15 @@ def resolve_attention_backend(requested: str, device: torch.device,
 def describe_attention_backend(device: torch.device, head_dim: int | None = None,
                                dtype: torch.dtype | None = None, requested: str = "auto") -> str:
     """One line for the CLI: which kernel `requested` gives on `device`, and why."""
-    if requested == "regions":
-        from .regions import CUDNN_DTYPES
-
-        if device.type == "cuda" and dtype is not None and dtype not in CUDNN_DTYPES:
-            return f"REGIONS cannot run on {device}: cuDNN computes in bf16/fp16, not {dtype}"
-        kernel = "cuDNN" if device.type == "cuda" else "PyTorch's CPU flash kernel"
-        return f"REGIONS on {device} (requested 'regions'; {kernel} over the two KV regions)"
-    if requested == "flash_regions":
-        if device.type != "cuda":
-            return (f"FLASH_REGIONS on {device} (requested 'flash_regions'; explicit math over "
-                    f"the two KV regions, the CPU form of flash-attn-4's calls)")
-        ok, reason = flash_status(device, head_dim, dtype)
-        state = "" if ok else "cannot run: "
-        return f"FLASH_REGIONS on {device} (requested 'flash_regions'; {state}{reason})"
+    kernel = attention_kernel(requested)
     if device.type != "cuda":
-        return f"CPU reference (SDPA per segment) on {device}; CUDA devices use FLASH or Triton"
-    chosen = resolve_attention_backend(requested, device, head_dim, dtype)
-    return f"{chosen} on {device} (requested {requested!r}; {flash_status(device, head_dim, dtype)[1]})"
+        if kernel.cpu_form is None:
+            return f"{requested!r} is a CUDA kernel; {device} runs the reference"
+        name = "CPU reference" if kernel.flex else kernel.name.upper()
+        return f"{name} on {device} (requested {requested!r}; {kernel.cpu_form})"
+    if kernel.flex:
+        chosen = resolve_attention_backend(requested, device, head_dim, dtype)
+        return f"{chosen} on {device} (requested {requested!r}; {flash_status(device, head_dim, dtype)[1]})"
+    ok, reason = kernel.cuda_status(device, head_dim, dtype)
+    state = kernel.cuda_form if ok else f"cannot run: {reason}"
+    return f"{kernel.name.upper()} on {device} (requested {requested!r}; {state})"

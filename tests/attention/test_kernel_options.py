@@ -48,9 +48,10 @@ def test_cpu_device_has_no_table_entry_but_overrides_are_validated():
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A CUDA device of a chosen architecture, with or without flash-attn-4, on the CPU."""
-    def make(capability, flash_installed):
+    def make(capability, flash_installed, name="NVIDIA H100 80GB HBM3"):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         real_find_spec = selection.importlib.util.find_spec
         monkeypatch.setattr(selection.importlib.util, "find_spec",
                             lambda name: (object() if flash_installed else None)
@@ -81,6 +82,24 @@ def test_auto_falls_back_to_triton_with_a_logged_reason(fake_gpu, caplog):
     assert opts["BACKEND"] == "TRITON"
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 1 and "flash-attn-4 is not installed" in logged[0]  # once
+
+
+@pytest.mark.parametrize("installed,chosen", [(True, "FLASH"), (False, "TRITON")])
+def test_auto_says_which_measurement_it_chose_by(fake_gpu, caplog, installed, chosen):
+    dev = fake_gpu((9, 0), installed)
+    with caplog.at_level("INFO", logger="dualkv_compile.attention.selection"):
+        assert kernel_options_for(dev, head_dim=128, gqa=4)["BACKEND"] == chosen
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"auto chose {chosen}" in line and "measured on NVIDIA H100 80GB HBM3" in line
+    assert "docs/results/attention_ragged_h100.md" in line
+
+
+def test_auto_on_a_gpu_without_measurements_says_so(fake_gpu, caplog):
+    dev = fake_gpu((9, 0), True, name="NVIDIA GH200 480GB")
+    with caplog.at_level("INFO", logger="dualkv_compile.attention.selection"):
+        assert kernel_options_for(dev, head_dim=128, gqa=4)["BACKEND"] == "FLASH"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "no measurements committed for NVIDIA GH200 480GB: by capability" in line
 
 
 def test_triton_uses_the_tuned_entry_and_overrides_win(fake_gpu, monkeypatch):

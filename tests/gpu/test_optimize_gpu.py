@@ -201,3 +201,24 @@ def test_flex_kernels_in_generated_code():
     assert len(codes) >= 2 and len(kernels) >= 2  # forward and backward
     assert "triton_tem_fused" in joined
     assert "scaled_dot_product" not in joined
+
+
+def test_no_grad_calls_of_a_checkpointed_hf_model_in_train_mode():
+    # #25 item 6: transformers' gradient_checkpointing_enable() hooks the embedding to call
+    # requires_grad_ on its output, which torch 2.11's Dynamo cannot trace (gb0125); no-grad
+    # calls (old and reference logprobs) failed on the GPU, before and after a gradient call
+    model = enable_checkpointing(tiny_model("hf_qwen3", vocab=1024, dim=256,
+                                            max_seq_len=2048).cuda().bfloat16())
+    tokens, mask, p = batch(0, 1024)
+    wrapper = dk.optimize(model)
+    with torch.no_grad():
+        first = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask).sum().backward()
+    with torch.no_grad():
+        again = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        plain = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert model.training and wrapper.uses_dualkv
+    assert torch.equal(first, again)
+    valid = mask[:, p:]
+    print(json.dumps({"no_grad_vs_plain_bf16": rel_err(first[valid], plain[valid])}))
+    assert rel_err(first[valid], plain[valid]) < 5e-2  # bf16 of two summation orders

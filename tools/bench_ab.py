@@ -1,0 +1,135 @@
+"""Same-process A/B of shared_prefix_attention: this tree against another copy of the package
+(an older commit), kernel by kernel, on aligned and ragged layouts. Not a test.
+
+Two copies of the package cannot share a name or a custom-op namespace in one process, so the
+other copy is written under new ones first (from a git checkout of this repository):
+
+    python -m dualkv_compile.tools.bench ab --prepare b08471e --other-dir /tmp/ab
+    python -m dualkv_compile.tools.bench ab --other-dir /tmp/ab --out docs/results/NAME
+
+`--prepare COMMIT` writes COMMIT's package (with passes/ and tools/ where setuptools maps them)
+to OTHER_DIR/dualkv_other, renaming `dualkv_compile` and the `dualkv::` ops. Both sides get the
+same q/k/v/gradient; each round times every (side, kernel) once, in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import torch
+
+from dualkv_compile.tools._common import environment, interleaved_medians, write_results
+
+OTHER = "dualkv_other"
+# where setuptools maps these source folders inside the package
+MAPPED = {"dualkv_compile": "", "passes": "passes", "tools": "tools"}
+
+
+def prepare(commit: str, other_dir: str) -> None:
+    """Write COMMIT's package to OTHER_DIR/dualkv_other under the new package and op names."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", commit, *MAPPED], cwd=root,
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if not (member.isfile() and member.name.endswith(".py")):
+                continue
+            top, _, rest = member.name.partition("/")
+            path = os.path.join(other_dir, OTHER, MAPPED[top], rest)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            text = tar.extractfile(member).read().decode()
+            text = text.replace("dualkv_compile", OTHER)
+            text = re.sub(r"\bdualkv::", "dualkv_other::", text)
+            text = re.sub(r"torch\.ops\.dualkv\b", "torch.ops.dualkv_other", text)
+            with open(path, "w") as f:
+                f.write(text)
+    print(f"{commit} written to {os.path.join(other_dir, OTHER)}")
+
+
+def layouts(args):
+    """(name, tokens, padding_mask, prompt_len): the aligned shapes, then seeded ragged ones."""
+    from dualkv_compile.testing import make_batch
+    from dualkv_compile.tools.bench_ragged import ragged_case
+
+    for shape in args.shapes:
+        n, p, r = (int(x) for x in shape.split(","))
+        tokens, mask, plen = make_batch([p], [[r] * n], vocab=1000)
+        yield f"aligned {n},{p},{r}", tokens, mask, plen
+    for seed in args.ragged_seeds:
+        tokens, mask, plen, n, prompts, _ = ragged_case(seed, 4096, 1024, args.max_tokens)
+        yield f"ragged 4K,1K seed {seed} ({len(prompts)}x{n})", tokens, mask, plen
+
+
+def variant(lib, tokens, mask, plen, kernel, x, gout):
+    pb = lib.pack(tokens.cuda(), prompt_len=plen, padding_mask=mask.cuda())
+
+    def run():
+        lib.shared_prefix_attention(*x, pb, attention_backend=kernel).backward(gout)
+    run()  # compiles
+    return run, x
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prepare", metavar="COMMIT", help="write COMMIT's package and exit")
+    ap.add_argument("--other-dir", required=True)
+    ap.add_argument("--kernels", nargs="+", default=["flash", "triton", "regions",
+                                                     "flash_regions"])
+    ap.add_argument("--shapes", nargs="+", default=["16,4096,1024", "32,8192,1024"])
+    ap.add_argument("--ragged-seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--max-tokens", type=int, default=262144)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rep-ms", type=int, default=1000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.prepare:
+        return prepare(args.prepare, args.other_dir)
+    if not torch.cuda.is_available():
+        raise SystemExit("the A/B benchmark needs a CUDA GPU")
+    sys.path.insert(0, args.other_dir)
+    sides = {"this": importlib.import_module("dualkv_compile"),
+             "other": importlib.import_module(OTHER)}
+    rows = []
+    for name, tokens, mask, plen in layouts(args):
+        t = sides["this"].pack(tokens, prompt_len=plen, padding_mask=mask).seq_len
+        x = [torch.randn(1, h, t, args.head_dim, device="cuda", dtype=torch.bfloat16,
+                         requires_grad=True) for h in (args.heads, args.kv_heads, args.kv_heads)]
+        gout = torch.randn(1, args.heads, t, args.head_dim, device="cuda", dtype=torch.bfloat16)
+        variants, row = {}, {"layout": name, "T": t}
+        for kernel in args.kernels:
+            for side, lib in sides.items():
+                try:
+                    variants[f"{side} {kernel}"] = variant(lib, tokens, mask, plen, kernel, x, gout)
+                except (RuntimeError, ValueError, ImportError) as e:
+                    row[f"{side} {kernel}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        row |= interleaved_medians(variants, rounds=args.rounds, warmup_ms=50, rep_ms=args.rep_ms)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
+    lines = ["Same-process A/B, shared_prefix_attention fwd+bwd, bf16 (ms; this / other)\n",
+             "| layout | T | " + " | ".join(args.kernels) + " |", "|---|---|" + "---|" * len(args.kernels)]
+    for r in rows:
+        cells = []
+        for k in args.kernels:
+            a, b = r.get(f"this {k}"), r.get(f"other {k}")
+            ratio = f" ({a / b:.3f})" if isinstance(a, float) and isinstance(b, float) else ""
+            cells.append(f"{fmt(a)} / {fmt(b)}{ratio}")
+        lines.append(f"| {r['layout']} | {r['T']} | " + " | ".join(cells) + " |")
+    meta = environment() | {"heads": args.heads, "kv_heads": args.kv_heads,
+                            "head_dim": args.head_dim, "rounds": args.rounds, "rep_ms": args.rep_ms}
+    write_results(args.out, meta, rows, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
