@@ -305,3 +305,34 @@ print("same")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "same", proc.stderr[-2000:]
+
+
+def test_step_benchmark_ragged_layouts_and_their_aligned_twins():
+    # `bench step --ragged P,R,SEED`: bench_ragged's layout, then an aligned batch of as many
+    # groups and rows at the mean lengths; useful FLOPs count the packed computation exactly
+    import argparse
+
+    import transformers as tf
+
+    from dualkv_compile.tools.bench_policy_update import layouts, useful_flops
+
+    args = argparse.Namespace(shapes=[(4, 64, 16)], ragged=["2048,512,0"], vocab=151936,
+                              max_tokens=262144)
+    (aligned, ragged, twin) = list(layouts(args))
+    assert aligned[0] == (4, 64, 16) and aligned[1].shape == (4, 80) and aligned[2].all()
+    (n, _, _), tokens, mask, p = ragged
+    _, tokens2, mask2, p2 = twin
+    assert tokens.shape[0] == tokens2.shape[0] and int(tokens.max()) < 151936
+    a, b = pack(tokens, prompt_len=p, padding_mask=mask), pack(tokens2, prompt_len=p2,
+                                                               padding_mask=mask2)
+    assert a.num_groups == b.num_groups > 1
+    assert abs(a.num_tokens - b.num_tokens) <= a.num_groups * (n + 1)  # rounding of the means
+    cfg = tf.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = tf.Qwen3ForCausalLM(cfg)
+    n, p, r = 4, 64, 16
+    packed = pack(aligned[1] % 64, prompt_len=p, padding_mask=aligned[2])
+    layer_params = sum(q.numel() for q in model.model.layers.parameters())
+    pairs = p * (p + 1) // 2 + n * (p * r + r * (r + 1) // 2)
+    assert useful_flops(model, packed, n * r) == (6 * layer_params * (p + n * r)
+                                                  + 12 * 8 * 4 * pairs * 2 + 6 * 64 * 32 * n * r)

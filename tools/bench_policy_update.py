@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import NamedTuple
 
@@ -43,14 +44,41 @@ def build_model(layers: int, vocab: int):
     return model.train()
 
 
-def useful_flops(model, n, p, r) -> float:
+def useful_flops(model, packed, response_tokens: int) -> float:
+    """The packed computation's FLOPs: every packed token through the layers, the packed
+    causal pairs through attention, the LM head on the response tokens."""
     cfg = model.config
     d, v = cfg.hidden_size, cfg.vocab_size
     layer_params = sum(q.numel() for q in model.model.layers.parameters())
-    packed_tokens = p + n * r
-    pairs = p * (p + 1) // 2 + n * (p * r + r * (r + 1) // 2)
+    pairs = packed.attention_pairs[1]
     attn = 12 * cfg.head_dim * cfg.num_attention_heads * pairs * cfg.num_hidden_layers
-    return 6 * layer_params * packed_tokens + attn + 6 * v * d * n * r
+    return 6 * layer_params * packed.num_tokens + attn + 6 * v * d * response_tokens
+
+
+def layouts(args):
+    """((N, P label, R label), tokens, padding_mask, prompt_len) on the CPU: one group per
+    --shapes entry, then for each --ragged case (bench_ragged's seeded layouts) the ragged
+    micro-batch and an aligned one of as many groups and rows with every prompt and response
+    at their mean length (about the same packed tokens)."""
+    from dualkv_compile.testing import make_batch
+    from dualkv_compile.tools.bench_ragged import ragged_case
+
+    g = torch.Generator().manual_seed(0)
+    for n, p, r in args.shapes:
+        prompt = torch.randint(1, args.vocab, (1, p), generator=g).expand(n, p)
+        tokens = torch.cat([prompt, torch.randint(1, args.vocab, (n, r), generator=g)], 1)
+        yield (n, p, r), tokens, torch.ones_like(tokens, dtype=torch.bool), p
+    for case in args.ragged:
+        p_cap, r_cap, seed = (int(x) for x in case.split(","))
+        tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
+        tokens = tokens % (args.vocab - 1) + 1  # ragged_case draws ids for a 1000-token vocab
+        groups = len(prompts)
+        yield (n, f"ragged <= {p_cap}, {groups} groups", f"<= {r_cap}"), tokens, mask, p
+        p_mean = round(sum(prompts) / groups)
+        r_mean = round(sum(map(sum, responses)) / (groups * n))
+        tokens, mask, p = make_batch([p_mean] * groups, [[r_mean] * n] * groups,
+                                     vocab=args.vocab - groups - 1, generator=g)
+        yield (n, f"{p_mean} x {groups} groups", r_mean), tokens, mask, p
 
 
 def grpo_loss(lp, mask, p, adv, total_valid=None):
@@ -241,11 +269,17 @@ def main(argv=None):
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="torch._inductor.config settings for the optimized model's compile, "
                          "e.g. max_autotune_gemm=True triton.enable_persistent_tma_matmul=True")
+    ap.add_argument("--ragged", nargs="+", default=[], metavar="PCAP,RCAP,SEED",
+                    help="also time bench_ragged's seeded layout and its aligned twin")
+    ap.add_argument("--max-tokens", type=int, default=262144,
+                    help="replicated tokens per ragged micro-batch at most")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, profile one step of each variant at the first "
                          "shape and print the kernels that take the most GPU time")
     args = ap.parse_args(argv)
+    if args.ragged and "--shapes" not in (sys.argv[1:] if argv is None else argv):
+        args.shapes = []  # --ragged alone: its layouts only
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
     inductor = _inductor_settings(ap, args.inductor)
@@ -265,15 +299,13 @@ def main(argv=None):
             "logprob_chunk_size": args.logprob_chunk_size,
             "inductor": inductor}
     rows = []
-    for n, p, r in args.shapes:
-        g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(1, args.vocab, (1, p), generator=g).expand(n, p)
-        tokens = torch.cat([prompt, torch.randint(1, args.vocab, (n, r), generator=g)], 1).cuda()
-        mask = torch.ones_like(tokens, dtype=torch.bool)
-        adv = torch.randn(n, generator=g).cuda()
+    for (n, p_label, r_label), tokens, mask, p in layouts(args):
+        tokens, mask, n_rows = tokens.cuda(), mask.cuda(), tokens.shape[0]
+        adv = torch.randn(n_rows, generator=torch.Generator().manual_seed(0)).cuda()
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
-        row = {"N": n, "P": p, "R": r, "rho": packed.rho, "T": packed.seq_len,
-               "useful_tflop": useful_flops(model, n, p, r) / 1e12}
+        row = {"N": n, "P": p_label, "R": r_label, "rho": packed.rho, "T": packed.seq_len,
+               "packed_tokens": packed.num_tokens,
+               "useful_tflop": useful_flops(model, packed, mask[:, p:].sum().item()) / 1e12}
         losses = ["fused", "separate"] if args.loss == "both" else [args.loss]
         variants = {} if args.no_plain else {"plain": Variant(
             args.plain_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(enabled=False)),
@@ -293,10 +325,10 @@ def main(argv=None):
                                    args.warmup)
         for name, res in results.items():
             if res["step_ms"]:
-                res["tokens_per_s"] = n * (p + r) / (res["step_ms"] / 1e3)
+                res["tokens_per_s"] = int(mask.sum()) / (res["step_ms"] / 1e3)
                 res["mfu_useful"] = row["useful_tflop"] / (res["step_ms"] / 1e3) / args.peak_tflops
             row[name] = res
-            print(json.dumps({"shape": [n, p, r], name: res}), flush=True)
+            print(json.dumps({"shape": [n, p_label, r_label], name: res}), flush=True)
         if "plain" in row and row["plain"]["step_ms"] and row["dualkv"]["step_ms"]:
             row["speedup"] = row["plain"]["step_ms"] / row["dualkv"]["step_ms"]
             row["speedup_over_rho"] = row["speedup"] / row["rho"]
