@@ -318,7 +318,8 @@ def test_step_benchmark_ragged_layouts_and_their_aligned_twins():
 
     args = argparse.Namespace(shapes=[(4, 64, 16)], ragged=["2048,512,0"], vocab=151936,
                               max_tokens=262144)
-    (aligned, ragged, twin) = list(layouts(args))
+    (aligned, ragged, twin, block_twin) = list(layouts(args))
+    assert block_twin[3] % 128 == 0 and (block_twin[2].sum(1) % 128 == 0).all()
     assert aligned[0] == (4, 64, 16) and aligned[1].shape == (4, 80) and aligned[2].all()
     (n, _, _), tokens, mask, p = ragged
     _, tokens2, mask2, p2 = twin

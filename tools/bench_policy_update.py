@@ -58,8 +58,8 @@ def useful_flops(model, packed, response_tokens: int) -> float:
 def layouts(args):
     """((N, P label, R label), tokens, padding_mask, prompt_len) on the CPU: one group per
     --shapes entry, then for each --ragged case (bench_ragged's seeded layouts) the ragged
-    micro-batch and an aligned one of as many groups and rows with every prompt and response
-    at their mean length (about the same packed tokens)."""
+    micro-batch, an aligned one of as many groups and rows with every prompt and response at
+    their mean length (about the same packed tokens), and that one in whole 128-token blocks."""
     from dualkv_compile.testing import make_batch
     from dualkv_compile.tools.bench_ragged import ragged_case
 
@@ -76,9 +76,15 @@ def layouts(args):
         yield (n, f"ragged <= {p_cap}, {groups} groups", f"<= {r_cap}"), tokens, mask, p
         p_mean = round(sum(prompts) / groups)
         r_mean = round(sum(map(sum, responses)) / (groups * n))
-        tokens, mask, p = make_batch([p_mean] * groups, [[r_mean] * n] * groups,
-                                     vocab=args.vocab - groups - 1, generator=g)
-        yield (n, f"{p_mean} x {groups} groups", r_mean), tokens, mask, p
+        # the same means, then rounded to whole 128-token blocks (the tidy layout of #4)
+        for p_twin, r_twin in ((p_mean, r_mean), (_blocks(p_mean), _blocks(r_mean))):
+            tokens, mask, p = make_batch([p_twin] * groups, [[r_twin] * n] * groups,
+                                         vocab=args.vocab - groups - 1, generator=g)
+            yield (n, f"{p_twin} x {groups} groups", r_twin), tokens, mask, p
+
+
+def _blocks(length: int, block: int = 128) -> int:
+    return max(block, round(length / block) * block)
 
 
 def grpo_loss(lp, mask, p, adv, total_valid=None):
