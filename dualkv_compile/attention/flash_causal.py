@@ -10,8 +10,9 @@ diagonal a block pair is all-or-nothing, on it the pair is one segment, causal. 
 then equal flex FLASH's bit for bit; the gradients differ in FA4's atomic accumulation order
 (dq, and dk/dv under GQA), as flex FLASH differs from itself.
 
-Used by `shared_prefix_attention` for eager FLASH calls on sm_90 (attention._causal_form says
-when); ragged layouts and traced calls (optimize()'s graphs) keep flex FLASH.
+Used by `shared_prefix_attention` for eager FLASH calls on sm_90 (op._causal_form says when),
+kept for block-aligned layouts where it is faster than flex FLASH (docs/performance.md, "FLASH:
+the causal form and flex"); ragged layouts and traced calls (optimize()'s graphs) keep flex.
 """
 
 from __future__ import annotations

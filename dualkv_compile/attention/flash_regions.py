@@ -134,11 +134,10 @@ def _kernels(q: Tensor):
 
 def _merge_into_eager(out: Tensor, lse: Tensor, out_x: Tensor, lse_x: Tensor) -> None:
     """out [L, H, D] and lse [H, L] (views into the results) become the softmax over both
-    regions: out_x/lse_x are the cross call's."""
-    merged = torch.logaddexp(lse, lse_x)
-    w_own, w_x = (lse - merged).exp().T[..., None], (lse_x - merged).exp().T[..., None]
-    out.copy_((regions._wide(out) * w_own + regions._wide(out_x) * w_x).to(out.dtype))
-    lse.copy_(merged)
+    regions: out_x/lse_x are the cross call's (regions.merge_partials, written in place)."""
+    merged_out, merged_lse = regions.merge_partials(out_x, lse_x.T, out, lse.T)
+    out.copy_(merged_out)
+    lse.copy_(merged_lse.T)
 
 
 def _merge_into(out, lse, out_x, lse_x) -> None:

@@ -31,7 +31,7 @@ from ..layout.packing import PackedBatch
 from ..numerics import accumulation_dtype
 from .registry import CUDNN_DTYPES
 
-__all__ = ["plan_of_tables", "two_region_attention", "regions_attention_op"]
+__all__ = ["merge_partials", "plan_of_tables", "two_region_attention", "regions_attention_op"]
 
 
 
@@ -267,8 +267,11 @@ def _sl(x: Tensor, span: tuple[int, int]) -> Tensor:
     return x[:, :, span[0]:span[1]]
 
 
-def _merge_eager(o_x, l_x, o_own, l_own):
-    """Two partial softmaxes of the same rows -> the softmax over both key regions."""
+def merge_partials(o_x, l_x, o_own, l_own):
+    """Two partial softmaxes of the same rows -> (out, lse), the softmax over both key regions:
+    the merge of both region kernels (flash_regions calls it on its token-major layout, and
+    lse_merge_kernel is its fused CUDA form there). o_* [..., D], l_* [...] one per row of o_*;
+    computed in float32 (float64 for float64), out rounded to o_x's dtype once."""
     l_x, l_own = _wide(l_x), _wide(l_own)
     lse = torch.logaddexp(l_x, l_own)
     out = (_wide(o_x) * (l_x - lse).exp().unsqueeze(-1)
@@ -282,9 +285,9 @@ _compiled_merge = []
 def _merge(o_x, l_x, o_own, l_own):
     """On CUDA one fused kernel (compiled once, dynamic shapes); eager elsewhere."""
     if o_x.device.type != "cuda" or torch.compiler.is_compiling():
-        return _merge_eager(o_x, l_x, o_own, l_own)
+        return merge_partials(o_x, l_x, o_own, l_own)
     if not _compiled_merge:
-        _compiled_merge.append(torch.compile(_merge_eager, dynamic=True, fullgraph=True))
+        _compiled_merge.append(torch.compile(merge_partials, dynamic=True, fullgraph=True))
     return _compiled_merge[0](o_x, l_x, o_own, l_own)
 
 
