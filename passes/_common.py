@@ -54,6 +54,6 @@ def regions_ops() -> frozenset:
     """The opaque attention ops the rewrite may insert instead of flex: the regions op
     (regions.py) and the flash-regions op (flash_regions.py)."""
     from dualkv_compile.attention.flash_regions import flash_regions_attention_op
-    from dualkv_compile.attention.regions import regions_attention_op
+    from dualkv_compile.attention.region_ops import regions_attention_op
 
     return frozenset({regions_attention_op._opoverload, flash_regions_attention_op._opoverload})

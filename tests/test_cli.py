@@ -232,7 +232,7 @@ def test_ragged_benchmark_cases_are_seeded_and_within_the_issue_ranges():
 
 
 def test_step_profile_idle_gaps_count_overlaps_once_and_sort_longest_first():
-    from dualkv_compile.tools.bench_policy_update import idle_gaps
+    from dualkv_compile.tools.step_profile import idle_gaps
 
     kernels = [(10.0, 50.0, "a"), (40.0, 60.0, "b"), (100.0, 130.0, "c"), (135.0, 140.0, "d"),
                (0.0, 5.0, "before the window")]
@@ -314,7 +314,7 @@ def test_step_benchmark_ragged_layouts_and_their_aligned_twins():
 
     import transformers as tf
 
-    from dualkv_compile.tools.bench_policy_update import layouts, useful_flops
+    from dualkv_compile.tools.step_layouts import layouts, useful_flops
 
     args = argparse.Namespace(shapes=[(4, 64, 16)], ragged=["2048,512,0"], vocab=151936,
                               max_tokens=262144)

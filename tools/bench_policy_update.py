@@ -27,6 +27,8 @@ import torch
 import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import add_shapes_argument, environment, write_results
+from dualkv_compile.tools.step_layouts import layouts, useful_flops
+from dualkv_compile.tools.step_profile import print_profile
 
 DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]
 
@@ -42,49 +44,6 @@ def build_model(layers: int, vocab: int):
         model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa",
                                                  torch_dtype=torch.bfloat16)
     return model.train()
-
-
-def useful_flops(model, packed, response_tokens: int) -> float:
-    """The packed computation's FLOPs: every packed token through the layers, the packed
-    causal pairs through attention, the LM head on the response tokens."""
-    cfg = model.config
-    d, v = cfg.hidden_size, cfg.vocab_size
-    layer_params = sum(q.numel() for q in model.model.layers.parameters())
-    pairs = packed.attention_pairs[1]
-    attn = 12 * cfg.head_dim * cfg.num_attention_heads * pairs * cfg.num_hidden_layers
-    return 6 * layer_params * packed.num_tokens + attn + 6 * v * d * response_tokens
-
-
-def layouts(args):
-    """((N, P label, R label), tokens, padding_mask, prompt_len) on the CPU: one group per
-    --shapes entry, then for each --ragged case (bench_ragged's seeded layouts) the ragged
-    micro-batch, an aligned one of as many groups and rows with every prompt and response at
-    their mean length (about the same packed tokens), and that one in whole 128-token blocks."""
-    from dualkv_compile.testing import make_batch
-    from dualkv_compile.tools.bench_ragged import ragged_case
-
-    g = torch.Generator().manual_seed(0)
-    for n, p, r in args.shapes:
-        prompt = torch.randint(1, args.vocab, (1, p), generator=g).expand(n, p)
-        tokens = torch.cat([prompt, torch.randint(1, args.vocab, (n, r), generator=g)], 1)
-        yield (n, p, r), tokens, torch.ones_like(tokens, dtype=torch.bool), p
-    for case in args.ragged:
-        p_cap, r_cap, seed = (int(x) for x in case.split(","))
-        tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
-        tokens = tokens % (args.vocab - 1) + 1  # ragged_case draws ids for a 1000-token vocab
-        groups = len(prompts)
-        yield (n, f"ragged <= {p_cap}, {groups} groups", f"<= {r_cap}"), tokens, mask, p
-        p_mean = round(sum(prompts) / groups)
-        r_mean = round(sum(map(sum, responses)) / (groups * n))
-        # the same means, then rounded to whole 128-token blocks (the tidy layout of #4)
-        for p_twin, r_twin in ((p_mean, r_mean), (_blocks(p_mean), _blocks(r_mean))):
-            tokens, mask, p = make_batch([p_twin] * groups, [[r_twin] * n] * groups,
-                                         vocab=args.vocab - groups - 1, generator=g)
-            yield (n, f"{p_twin} x {groups} groups", r_twin), tokens, mask, p
-
-
-def _blocks(length: int, block: int = 128) -> int:
-    return max(block, round(length / block) * block)
 
 
 def grpo_loss(lp, mask, p, adv, total_valid=None):
@@ -369,63 +328,13 @@ def _inductor_settings(ap, items: list[str]) -> dict:
     return out
 
 
-def idle_gaps(kernels, start: float, end: float, min_us: float = 20.0) -> tuple[float, list]:
-    """GPU kernels [(begin_us, end_us, name)] within a step's window [start, end] -> (busy us,
-    the idle gaps of at least `min_us`, longest first, each (begin_us, length_us, kernel before,
-    kernel after), None at the window's edges). Overlapping kernels count once."""
-    busy, gaps, last_end, last_name = 0.0, [], start, None
-    for b, e, name in sorted(kernels):
-        b, e = max(b, start), min(e, end)
-        if e <= last_end or b >= end:
-            continue
-        if b - last_end >= min_us:
-            gaps.append((last_end, b - last_end, last_name, name))
-        busy += e - max(b, last_end)
-        last_end, last_name = e, name
-    if end - last_end >= min_us:
-        gaps.append((last_end, end - last_end, last_name, None))
-    return busy, sorted(gaps, key=lambda g: -g[1])
-
-
-def _print_idle(events, top: int = 12) -> None:
-    """Where the GPU waited during the profiled step: its idle time, the longest gaps, and the
-    innermost host op running at each gap's start (a sync or slow host code shows there)."""
-    from torch.autograd import DeviceType
-
-    step = next(e for e in events if e.name == "dualkv.step" and e.device_type == DeviceType.CPU)
-    start, end = step.time_range.start, step.time_range.end
-    # GPU work only: record_function ranges (the step, compiled graphs, the optimizer) are
-    # listed as CUDA events too, and would hide the gaps they span
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
-               if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-    host = [e for e in events if e.device_type == DeviceType.CPU and e is not step]
-    busy, gaps = idle_gaps(kernels, start, end)
-    idle = end - start - busy
-    print(f"--- GPU idle: {idle / 1e3:.2f} ms of the step's {(end - start) / 1e3:.2f} ms "
-          f"(gaps >= 20 us: {sum(g[1] for g in gaps) / 1e3:.2f} ms in {len(gaps)}) ---")
-    for b, length, before, after in gaps[:top]:
-        inner = [e for e in host if e.time_range.start <= b < e.time_range.end]
-        op = min(inner, key=lambda e: e.time_range.end - e.time_range.start).name if inner else "-"
-        print(f"{length / 1e3:8.2f} ms at +{(b - start) / 1e3:7.1f} ms  host: {op[:60]:60s} "
-              f"after {str(before)[:50]} / before {str(after)[:50]}")
-
-
 def profile_step(name, model, v: Variant, tokens, mask, p, adv, opt):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         with record_function("dualkv.step"):
             one_step(model, v.wrapper, tokens, mask, p, adv, opt, v.micro_rows, loss=v.loss)
-    print(f"--- profile: {name} ---")
-    events = prof.key_averages()
-    print(events.table(sort_by="self_cuda_time_total", row_limit=70, max_name_column_width=90))
-    _print_idle(prof.events())
-    gemms = [e for e in prof.key_averages(group_by_input_shape=True)
-             if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")]
-    print(f"--- matmuls by input shape: {name} ---")
-    for e in sorted(gemms, key=lambda e: -e.device_time_total):
-        print(f"{e.key:12s} calls {e.count:4d}  GPU {e.device_time_total / 1e3:9.2f} ms  "
-              f"shapes {e.input_shapes}")
+    print_profile(prof, name, "dualkv.step")
 
 
 class _NotRun(dict):

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..numerics import accumulation_dtype
 from . import lse_merge_kernel, regions
 from .selection import flash_status
-from .regions import plan_of_tables, register_autograd
+from .region_ops import plan_of_tables, register_autograd
 
 __all__ = ["flash_regions_attention_op", "plan_of_segments"]
 

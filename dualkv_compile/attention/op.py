@@ -26,7 +26,7 @@ from . import flash_regions  # noqa: F401  (registers torch.ops.dualkv.flash_reg
 from .block_mask import shared_prefix_block_mask
 from .flash_causal import block_aligned, flash_causal_attention
 from .kernel_options import kernel_options_for
-from . import regions  # noqa: F401  (registers torch.ops.dualkv.regions_attention)
+from . import region_ops  # noqa: F401  (registers torch.ops.dualkv.regions_attention)
 from .registry import attention_kernel
 from .selection import resolve_attention_backend
 

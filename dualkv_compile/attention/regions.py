@@ -20,7 +20,6 @@ ragged responses in the own region), so the work is the ideal pair count.
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -31,7 +30,8 @@ from ..layout.packing import PackedBatch
 from ..numerics import accumulation_dtype
 from .registry import CUDNN_DTYPES
 
-__all__ = ["merge_partials", "plan_of_tables", "two_region_attention", "regions_attention_op"]
+__all__ = ["empty_output", "merge_partials", "plan_of_packed", "plan_of_segments", "regions_backward",
+           "regions_forward", "two_region_attention"]
 
 
 
@@ -299,16 +299,16 @@ def _write(dst: Tensor, a: Tensor, b: Tensor | None = None) -> None:
         torch.add(a, b, out=dst)
 
 
-def _new(like: Tensor) -> Tensor:
+def empty_output(like: Tensor) -> Tensor:
     """Outputs are contiguous whatever the inputs' strides, so the compiled graph's fake outputs
-    (below) have the real outputs' strides."""
+    (region_ops.py) have the real outputs' strides."""
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
 def regions_forward(q, k, v, plan, scale):
     """-> (out [1, Hq, T, D], lse [1, Hq, T], aux: one entry per kernel call, for backward)."""
     fwd, _ = _kernels(q)
-    out = _new(q)
+    out = empty_output(q)
     lse = torch.empty(q.shape[:3], dtype=accumulation_dtype(q.dtype), device=q.device)
     aux = []
     for prompt, resp in plan:
@@ -337,7 +337,7 @@ def regions_backward(dout, q, k, v, out, lse, plan, scale, aux=None):
     _, bwd = _kernels(q)
     aux = iter(aux) if aux is not None else None
     take = (lambda: next(aux)) if aux is not None else (lambda: None)
-    dq, dk, dv = _new(q), _new(k), _new(v)
+    dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     for prompt, resp in plan:
         has_prompt = prompt[1] > prompt[0]
         g_p = g_x = None
@@ -388,78 +388,3 @@ def two_region_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch,
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _TwoRegionAttention.apply(q, k, v, packed, scale)
-
-
-# ---- the same as one opaque op, for compiled graphs (optimize(attention_backend="regions")) ---
-# The layout enters as the 1-D segment tables the graph already has; the plan is read from them
-# once per micro-batch (one host synchronisation). Backward is a second op, so AOTAutograd partitions
-# the pair like any attention.
-
-# Every layer's call (forward and backward) gets the same segment tables of one micro-batch: the
-# plan is read once per pair of table objects. An entry holds weak references, so it is found
-# only while those very objects are alive and unmodified; ids of live objects are unique.
-_PLANS: dict[tuple, tuple] = {}
-
-
-def plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor, build=None):
-    """build(segment_ids, prefix_segment_ids) (default: plan_of_segments), once per pair of
-    live, unmodified table objects."""
-    build = build or plan_of_segments
-    key = (id(segment_ids), id(prefix_segment_ids), build)
-    versions = (segment_ids._version, prefix_segment_ids._version)
-    hit = _PLANS.get(key)
-    if hit and hit[0]() is segment_ids and hit[1]() is prefix_segment_ids and hit[2] == versions:
-        return hit[3]
-    for stale in [k for k, e in _PLANS.items() if e[0]() is None or e[1]() is None]:
-        del _PLANS[stale]
-    plan = build(segment_ids, prefix_segment_ids)
-    _PLANS[key] = (weakref.ref(segment_ids), weakref.ref(prefix_segment_ids), versions, plan)
-    return plan
-
-
-@torch.library.custom_op("dualkv::regions_attention", mutates_args=())
-def regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
-                         prefix_segment_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse, _ = regions_forward(q, k, v, plan_of_tables(segment_ids, prefix_segment_ids),
-                                  scale)
-    return out, lse
-
-
-@regions_attention_op.register_fake
-def _(q, k, v, segment_ids, prefix_segment_ids, scale):
-    return _new(q), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
-
-
-@torch.library.custom_op("dualkv::regions_attention_backward", mutates_args=())
-def regions_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                                  lse: Tensor, segment_ids: Tensor, prefix_segment_ids: Tensor,
-                                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    plan = plan_of_tables(segment_ids, prefix_segment_ids)
-    return regions_backward(dout, q, k, v, out, lse, plan, scale)
-
-
-@regions_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale):
-    return _new(q), _new(k), _new(v)
-
-
-def register_autograd(forward_op, backward_op) -> None:
-    """forward_op(q, k, v, segment_ids, prefix_segment_ids, scale) -> (out, lse) gets the
-    gradient backward_op(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids, scale) ->
-    (dq, dk, dv); lse is for the backward only."""
-    def setup_context(ctx, inputs, output):
-        q, k, v, segment_ids, prefix_segment_ids, scale = inputs
-        ctx.save_for_backward(q, k, v, segment_ids, prefix_segment_ids, *output)
-        ctx.mark_non_differentiable(output[1])
-        ctx.scale = scale
-
-    def backward(ctx, dout, dlse):
-        q, k, v, segment_ids, prefix_segment_ids, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(dout, q, k, v, out, lse, segment_ids, prefix_segment_ids,
-                                 ctx.scale)
-        return dq, dk, dv, None, None, None
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
-
-
-register_autograd(regions_attention_op, regions_attention_backward_op)

@@ -30,7 +30,7 @@ class AttentionKernel:
 
     def graph_op(self):
         """The opaque op a region kernel runs, eagerly and in compiled graphs (registered by
-        regions.py and flash_regions.py, which the package imports)."""
+        region_ops.py and flash_regions.py, which the package imports)."""
         if self.op_name is None:
             raise ValueError(f"attention_backend={self.name!r} is a flex kernel, not an op")
         return getattr(torch.ops.dualkv, self.op_name)
