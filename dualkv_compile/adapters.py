@@ -102,9 +102,10 @@ class _Torchtune:
 # tests/models/test_moe_cpu.py)
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # MoE expert dispatches the token-locality proof follows: per-token expert weights gathered by the
-# routing table ("batched_mm"). "grouped_mm" sorts the tokens by expert and "eager" loops over
-# experts with data-dependent shapes; neither is followed yet.
-_MOE_DISPATCH = ("batched_mm",)
+# routing table ("batched_mm"), and the grouped dispatch as one token-local op
+# (models/moe_experts.py). transformers' "grouped_mm" sorts the tokens by expert and "eager"
+# loops over experts with data-dependent shapes; neither is followed.
+_MOE_DISPATCH = ("batched_mm", "dualkv_grouped")
 _HF_WHY_NOT = {
     "gpt2": "GPT-2's learned absolute position embeddings and Conv1D projections are not "
             "supported",
@@ -119,7 +120,8 @@ def _check_moe(model, cfg) -> None:
                          f"_experts_implementation in {list(_MOE_DISPATCH)} only, got "
                          f"{dispatch!r}: set model.config._experts_implementation = "
                          "'batched_mm' (it gathers each token's expert weights, so it suits "
-                         "small models; the grouped dispatch is not supported yet)")
+                         "small models) or call dualkv_compile.models.use_grouped_experts(model)"
+                         " (grouped GEMMs per expert, one token-local op)")
     if getattr(cfg, "output_router_logits", False):
         raise ValueError("optimize() runs the decoder body only, so the router's auxiliary "
                          "load-balancing loss would not be computed; set "

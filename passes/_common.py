@@ -57,3 +57,12 @@ def regions_ops() -> frozenset:
     from dualkv_compile.attention.region_ops import regions_attention_op
 
     return frozenset({regions_attention_op._opoverload, flash_regions_attention_op._opoverload})
+
+
+@functools.cache
+def token_local_ops() -> frozenset:
+    """Opaque ops whose contract is token-local in their leading token arguments: the grouped
+    MoE expert dispatch (models/moe_experts.py)."""
+    from dualkv_compile.models.moe_experts import moe_experts
+
+    return frozenset({moe_experts._opoverload})

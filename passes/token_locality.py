@@ -25,7 +25,8 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, example, op_name, pass_uuid, regions_ops, source_line
+from ._common import (Refusal, example, op_name, pass_uuid, regions_ops, source_line,
+                      token_local_ops)
 
 __all__ = ["prove_token_locality", "uuid"]
 
@@ -300,6 +301,20 @@ class _Proof:
                               f"packed positions instead")
         return ax
 
+    def token_local_op(self, node):
+        """moe_experts(hidden [S, d], top_k_index [S, k], top_k_weights [S, k], weights...):
+        row s of the output is token s's, by the op's contract, when the three token arguments
+        carry the tokens on axis 0, grouped alike, and no other argument carries them."""
+        tokens, rest = node.args[:3], node.args[3:]
+        if any(self.tok(a) != 0 for a in tokens):
+            self.refuse(node, "its hidden states and routing table must carry the tokens on "
+                              "axis 0 (rows)")
+        if len({self.inner_of(a) for a in tokens}) > 1:
+            self.refuse(node, "its token arguments group their tokens differently")
+        if any(self.tok(a) is not None for a in list(rest) + list(node.kwargs.values())):
+            self.refuse(node, "token data reaches its weight arguments")
+        return 0
+
     # ---- driver ----------------------------------------------------------------------------
     def visit(self, node: fx.Node):
         if node.op in ("placeholder", "get_attr", "output"):
@@ -346,6 +361,8 @@ class _Proof:
             if self.tok(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")):
                 self.refuse(node, "the embedding table carries tokens")
             return self.tok(ids)
+        if node.target in token_local_ops():
+            return self.token_local_op(node)
         if ax is None or any(a is not first for a in carried):
             self.refuse(node, "token data reaches it through an argument it has no rule for")
         if name == "linear":

@@ -1,5 +1,6 @@
 """Policy-update benchmark: one GRPO step (response logprobs forward, backward of the loss,
-AdamW step) of a Qwen3-8B-shaped decoder with random weights, optimize(model) against the same
+AdamW step) of a Qwen3-8B-shaped decoder (or, --model qwen3_30b_a3b, the Qwen3-30B-A3B mixture
+of experts) with random weights, optimize(model) against the same
 model run plainly (PyTorch's SDPA dispatch, which picks cuDNN on an H100). Not a test.
 
     python -m dualkv_compile.tools.bench_policy_update --out docs/results/policy_update_h100
@@ -9,7 +10,8 @@ Both models use transformers' gradient checkpointing by default (--plain-checkpo
 recomputed in its backward except for the shared-prefix attention, whose inputs and outputs are
 saved. --memory-budget < 1 instead lets AOTAutograd choose what to recompute. Useful FLOPs count
 the packed computation (each prompt once): 6 x params per token for the layers, 12 x D x Hq per
-causal pair for attention, 6 x V x d per predicted response token; MFU divides by the bf16
+causal pair for attention, 6 x V x d per predicted response token (rl.flops: a token's active
+experts only); MFU divides by the bf16
 dense peak given by --peak-tflops.
 """
 
@@ -27,23 +29,11 @@ import torch
 import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import add_shapes_argument, environment, write_results
-from dualkv_compile.tools.step_layouts import layouts, useful_flops
+from dualkv_compile.tools.step_inputs import build_model, layouts, useful_flops
 from dualkv_compile.tools.step_profile import print_profile
 
 DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]
 
-
-
-def build_model(layers: int, vocab: int):
-    import transformers as tf
-
-    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=4096, intermediate_size=12288,
-                         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
-    with torch.device("cuda"):
-        model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa",
-                                                 torch_dtype=torch.bfloat16)
-    return model.train()
 
 
 def grpo_loss(lp, mask, p, adv, total_valid=None):
@@ -198,6 +188,9 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
+    ap.add_argument("--model", choices=["qwen3_8b", "qwen3_30b_a3b"], default="qwen3_8b",
+                    help="the decoder's shape: Qwen3-8B, or the Qwen3-30B-A3B mixture of "
+                         "experts (grouped expert op)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--steps", type=int, default=3)
@@ -250,9 +243,10 @@ def main(argv=None):
     inductor = _inductor_settings(ap, args.inductor)
     import transformers
 
-    model = build_model(args.layers, args.vocab)
+    model = build_model(args.layers, args.vocab, args.model)
     opt = None if args.no_optimizer else make_adamw(model.parameters(), args.adamw)
-    meta = {**environment(), "transformers": transformers.__version__, "layers": args.layers,
+    meta = {**environment(), "transformers": transformers.__version__, "model": args.model,
+            "layers": args.layers,
             "vocab": args.vocab, "dtype": "bfloat16", "steps": args.steps,
             "warmup": args.warmup, "memory_budget": args.memory_budget,
             "params": sum(q.numel() for q in model.parameters()),
@@ -270,7 +264,7 @@ def main(argv=None):
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
         row = {"N": n, "P": p_label, "R": r_label, "rho": packed.rho, "T": packed.seq_len,
                "packed_tokens": packed.num_tokens,
-               "useful_tflop": useful_flops(model, packed, mask[:, p:].sum().item()) / 1e12}
+               "useful_tflop": useful_flops(model, packed) / 1e12}
         losses = ["fused", "separate"] if args.loss == "both" else [args.loss]
         variants = {} if args.no_plain else {"plain": Variant(
             args.plain_checkpointing == "on", dk.optimize(model, dk.DualKVConfig(enabled=False)),
@@ -359,7 +353,9 @@ def markdown(meta, rows):
              "separate": ", the loss after the logprobs",
              "both": "; the loss fused into the LM head, and separately where named"
              }.get(meta.get("loss"), "")
-    head = (f"GRPO policy update ({what}), Qwen3-8B-shaped decoder "
+    shape = {"qwen3_30b_a3b": "Qwen3-30B-A3B-shaped MoE (grouped expert op)"}.get(
+        meta.get("model"), "Qwen3-8B-shaped decoder")
+    head = (f"GRPO policy update ({what}), {shape} "
             f"with {meta['layers']} layers ({meta['params'] / 1e9:.2f}B params incl. embeddings, "
             f"vocab {meta['vocab']}), bf16, one {meta['gpu']}, torch {meta['torch']}, triton "
             f"{meta['triton']}, transformers {meta['transformers']}; median of {meta['steps']} "

@@ -128,11 +128,15 @@ def test_grouped_rows_handled_per_token_are_exact():
     assert rel_err(lp, row_by_row_response_logprobs(model, tokens, mask, p)) < TOL
 
 
-def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe():
+@pytest.mark.parametrize("grouped", [False, True], ids=["batched_mm", "grouped_op"])
+def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe(grouped):
+    from dualkv_compile.models import use_grouped_experts
     from dualkv_compile.rollout import RolloutEngine
     from dualkv_compile.rollout.reference import reference_generate
 
     model = moe(seed=1)
+    if grouped:
+        use_grouped_experts(model)
     prompts = torch.randint(2, 60, (2, 9), generator=torch.Generator().manual_seed(1))
     prompts[1, :4] = 0
     kw = dict(samples=3, max_generated_tokens=8, pad_id=0, top_p=0.9)
@@ -205,3 +209,96 @@ def test_expert_load_weighted_by_token_rows_equals_the_replicated_batchs():
         want[i % layers] += torch.bincount(chosen.flatten(), minlength=experts)
     assert [x.tolist() for x in load] == [x.tolist() for x in want]
     assert int(weights.sum()) == int(mask.sum())  # every replicated valid token, once
+
+
+def test_grouped_expert_op_logprobs_and_every_gradient_equal_the_plain_model():
+    # #27 item 5's dispatch: the experts grouped by expert inside one token-local op
+    # (models/moe_experts.py); the plain model keeps transformers' batched_mm
+    from dualkv_compile.models import use_grouped_experts
+
+    packed_model, plain = moe(), moe()
+    use_grouped_experts(packed_model)
+    assert packed_model.config._experts_implementation == "dualkv_grouped"
+    tokens, mask, p = make_batch([7, 3, 5], [[4, 2, 6], [3], [1, 5]], vocab=50,
+                                 generator=torch.Generator().manual_seed(0))
+    dk.counters.clear()
+    lp = dk.optimize(packed_model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert dk.counters["attention_rewritten"] == 2 and dk.counters.get("dense_fallback", 0) == 0
+    weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)
+    (lp * weights).sum().backward()
+    ref = row_by_row_response_logprobs(plain, tokens, mask, p)
+    (ref * weights).sum().backward()
+    assert rel_err(lp.detach(), ref.detach()) < TOL
+    for (name, a), b in zip(packed_model.named_parameters(), plain.parameters()):
+        assert rel_err(a.grad, b.grad) < TOL, name
+
+
+def _experts(num_experts, hidden_size, seed=0):
+    """A Qwen3-MoE experts module of these sizes, float64, weights N(0, 0.5)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = tf.Qwen3MoeConfig(hidden_size=hidden_size, moe_intermediate_size=8,
+                            num_experts=num_experts)
+    cfg._experts_implementation = "batched_mm"
+    experts = Qwen3MoeExperts(cfg).double()
+    g = torch.Generator().manual_seed(seed)
+    for w in (experts.gate_up_proj, experts.down_proj):
+        w.data = torch.randn(w.shape, dtype=torch.float64, generator=g) * 0.5
+    return experts
+
+
+def test_grouped_expert_op_equals_transformers_dispatch_with_gradients():
+    # the op alone, eager, against transformers' batched_mm on the same experts module, every
+    # expert hit or not (9 tokens, 2 of 6 experts each)
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    from dualkv_compile.models.moe_experts import moe_experts
+
+    experts = _experts(num_experts=6, hidden_size=16)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(9, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(9)])  # expert 5 unused
+    w = torch.rand(9, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    grad = torch.randn(9, 16, dtype=torch.float64, generator=g)
+    ours = moe_experts(hidden, index, w, experts.gate_up_proj, experts.down_proj)
+    leaves = [hidden, w, experts.gate_up_proj, experts.down_proj]
+    d_ours = torch.autograd.grad(ours, leaves, grad)
+    theirs = batched_mm_experts_forward(experts, hidden, index, w)
+    d_theirs = torch.autograd.grad(theirs, leaves, grad)
+    assert rel_err(ours, theirs) < TOL
+    for a, b in zip(d_ours, d_theirs):
+        assert rel_err(a, b) < TOL
+    assert (d_ours[3][5] == 0).all()  # the unused expert gets no gradient
+
+
+class _MisroutedExperts(torch.nn.Module):
+    """Calls the grouped op with a routing table that is not the tokens' own (arange over the
+    rows): row s would be routed by its position, not by its token."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x):
+        from dualkv_compile.models.moe_experts import moe_experts
+
+        b, t, d = x.shape
+        rows = x.reshape(-1, d)
+        index = torch.arange(rows.shape[0], device=x.device)[:, None] % 2
+        w = torch.ones(rows.shape[0], 1, dtype=x.dtype, device=x.device)
+        out = moe_experts(rows, index, w, self.experts.gate_up_proj, self.experts.down_proj)
+        return out.view(b, t, d)
+
+
+def test_the_grouped_op_with_a_routing_table_not_from_the_tokens_is_refused():
+    from dualkv_compile.passes._common import Refusal
+    from dualkv_compile.testing import tiny_model
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    dim = model.layers[0].mlp.w1.in_features
+    experts = _experts(num_experts=2, hidden_size=dim)
+    model.layers[0].mlp = _MisroutedExperts(experts)
+    tokens, mask, p = make_batch([7, 3], [[4, 2], [3]], vocab=90,
+                                 generator=torch.Generator().manual_seed(0))
+    with pytest.raises(Refusal, match="routing table must carry the tokens on axis 0"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)

@@ -1,22 +1,42 @@
-"""The batches `bench step` times, and the useful FLOPs of each: one group per --shapes entry;
-for --ragged, bench_ragged's seeded layout with its aligned twins."""
+"""What `bench step` times: the model (Qwen3-8B- or Qwen3-30B-A3B-shaped), the batches (one
+group per --shapes entry; for --ragged, bench_ragged's seeded layout with its aligned twins)
+and the useful FLOPs of each."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["layouts", "useful_flops"]
+__all__ = ["build_model", "layouts", "useful_flops"]
 
 
-def useful_flops(model, packed, response_tokens: int) -> float:
-    """The packed computation's FLOPs: every packed token through the layers, the packed
-    causal pairs through attention, the LM head on the response tokens."""
-    cfg = model.config
-    d, v = cfg.hidden_size, cfg.vocab_size
-    layer_params = sum(q.numel() for q in model.model.layers.parameters())
-    pairs = packed.attention_pairs[1]
-    attn = 12 * cfg.head_dim * cfg.num_attention_heads * pairs * cfg.num_hidden_layers
-    return 6 * layer_params * packed.num_tokens + attn + 6 * v * d * response_tokens
+def build_model(layers: int, vocab: int, family: str = "qwen3_8b"):
+    """A Qwen3-8B-shaped decoder, or a Qwen3-30B-A3B-shaped MoE whose experts run as the
+    grouped op (models.use_grouped_experts), with `layers` layers, bf16 on the GPU."""
+    import transformers as tf
+
+    if family == "qwen3_30b_a3b":
+        from dualkv_compile.models import QWEN3_30B_A3B, qwen3_moe, use_grouped_experts
+
+        with torch.device("cuda"):
+            model = qwen3_moe(**{**QWEN3_30B_A3B, "num_layers": layers, "vocab_size": vocab})
+        use_grouped_experts(model)
+        return model.bfloat16().train()
+    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=4096, intermediate_size=12288,
+                         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
+    with torch.device("cuda"):
+        model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa",
+                                                 torch_dtype=torch.bfloat16)
+    return model.train()
+
+
+def useful_flops(model, packed) -> float:
+    """Forward + backward (three forwards) of the packed computation: rl.flops' count (every
+    packed token through the layers' matmuls, a token's active experts only; the packed causal
+    pairs through attention; the LM head at the response tokens)."""
+    from dualkv_compile.rl.flops import forward_flops
+
+    return 3.0 * forward_flops(model, packed)
 
 
 def layouts(args):

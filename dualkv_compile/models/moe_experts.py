@@ -1,0 +1,187 @@
+"""Grouped expert dispatch for transformers' Qwen3-MoE, as one token-local op.
+
+transformers' "grouped_mm" dispatch sorts every (token, expert) pair by expert, runs each
+expert's rows as one group of a grouped GEMM and scatters the rows back. Each token's output
+depends on that token alone, but the sort, the histogram of group sizes and the scatter each
+read all tokens, so a proof that follows ops one by one cannot see it. Here the whole dispatch
+is one op, `torch.ops.dualkv.moe_experts`, whose contract is token-local: row s of the output
+depends on rows s of `hidden`, `top_k_index` and `top_k_weights` (and on the weights). The
+token-locality proof has a rule for it; inside, the rows are grouped by expert:
+
+- CUDA, bf16/fp16: `torch.nn.functional.grouped_mm` (torch._grouped_mm on older torch) over
+  the rows sorted by expert, offsets from their counts: one GEMM launch per projection;
+- elsewhere (the CPU reference, float64 tests): one matmul per expert that has rows.
+
+Its backward is a second op, written out (grouped_experts_backward): it recomputes the two
+projections (one more forward GEMM pair, as activation checkpointing of the experts would) and
+returns the gradients of hidden, the routing weights and both expert weight tensors. The weight
+gradients are one matmul per expert for now (a grouped 2-D x 2-D GEMM would make them one).
+
+`use_grouped_experts(model)` registers the op under the name "dualkv_grouped" in transformers'
+experts interface (its extension point, as attention functions are registered) and selects it
+for the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..numerics import accumulation_dtype
+
+__all__ = ["IMPLEMENTATION", "grouped_experts", "use_grouped_experts"]
+
+IMPLEMENTATION = "dualkv_grouped"  # the name in transformers' ExpertsInterface
+
+
+def _counts(flat: Tensor, experts: int) -> Tensor:
+    """Rows per expert, int64, without a host synchronisation on CUDA (bincount would read the
+    largest id first; histc takes int32 on CUDA, floats on the CPU)."""
+    values = flat.to(torch.int32) if flat.is_cuda else flat.to(torch.float64)
+    return torch.histc(values, bins=experts, min=0, max=experts - 1).long()
+
+
+def _grouped_linear(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+    """rows [M, i] sorted by expert, `counts` rows per expert -> rows @ weight[e].T, [M, o]."""
+    grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and grouped is not None:
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        return grouped(rows, weight.transpose(-2, -1), offs=offsets)
+    out = rows.new_empty(rows.shape[0], weight.shape[-2])
+    start = 0
+    for e, n in enumerate(counts.tolist()):  # host loop: the reference path
+        if n:
+            out[start:start + n] = rows[start:start + n] @ weight[e].T
+        start += n
+    return out
+
+
+def grouped_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                    gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """The experts of a gated SiLU MoE block, differentiable: hidden [S, d], top_k_index and
+    top_k_weights [S, k], gate_up_proj [E, 2I, d] (gate rows first), down_proj [E, d, I] ->
+    [S, d] = sum over a token's k experts of weight * down(silu(gate) * up)."""
+    s, k = top_k_index.shape
+    experts = gate_up_proj.shape[0]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = _counts(flat, experts)
+    rows = hidden[order // k]
+    gate, up = _grouped_linear(rows, gate_up_proj, counts).chunk(2, dim=-1)
+    out = _grouped_linear(F.silu(gate) * up, down_proj, counts)
+    out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    unsorted = torch.empty_like(out).index_copy(0, order, out)  # back to (token, slot) order
+    return unsorted.view(s, k, -1).sum(1).to(hidden.dtype)
+
+
+@torch.library.custom_op("dualkv::moe_experts", mutates_args=())
+def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    return grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+
+
+@moe_experts.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    return torch.empty_like(hidden)
+
+
+def _weight_grads(a: Tensor, b: Tensor, counts: Tensor) -> Tensor:
+    """Per expert e, a[rows of e].T @ b[rows of e]: [E, a.shape[1], b.shape[1]] (zero for an
+    expert without rows). One matmul per expert with rows, on every device for now."""
+    out = a.new_zeros(counts.numel(), a.shape[1], b.shape[1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[e] = a[start:start + n].T @ b[start:start + n]
+        start += n
+    return out
+
+
+def grouped_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor,
+                             top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor):
+    """Gradients of grouped_experts' output (given `grad` [S, d]) with respect to hidden,
+    top_k_weights, gate_up_proj and down_proj; the projections are recomputed, not saved."""
+    s, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = _counts(flat, gate_up_proj.shape[0])
+    token = order // k
+    rows = hidden[token]
+    gate, up = _grouped_linear(rows, gate_up_proj, counts).chunk(2, dim=-1)
+    act = F.silu(gate)
+    inner = act * up
+    out = _grouped_linear(inner, down_proj, counts)
+    g = grad[token]
+    wide = accumulation_dtype(out.dtype)
+    d_weights = (g.to(wide) * out.to(wide)).sum(-1)
+    d_weights = torch.empty_like(d_weights).index_copy(0, order, d_weights)
+    d_out = g * top_k_weights.reshape(-1)[order, None].to(g.dtype)
+    d_inner = _grouped_linear(d_out, down_proj.transpose(-2, -1), counts)  # rows @ down[e]
+    sig = torch.sigmoid(gate)
+    d_gate_up = torch.cat([d_inner * up * sig * (1 + gate * (1 - sig)), d_inner * act], -1)
+    d_rows = _grouped_linear(d_gate_up, gate_up_proj.transpose(-2, -1), counts)
+    d_hidden = torch.zeros_like(hidden).index_add_(0, token, d_rows.to(hidden.dtype))
+    return (d_hidden, d_weights.view(s, k).to(top_k_weights.dtype),
+            _weight_grads(d_gate_up, rows, counts), _weight_grads(d_out, inner, counts))
+
+
+@torch.library.custom_op("dualkv::moe_experts_backward", mutates_args=())
+def moe_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor,
+                         top_k_weights: Tensor, gate_up_proj: Tensor,
+                         down_proj: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return grouped_experts_backward(grad, hidden, top_k_index, top_k_weights, gate_up_proj,
+                                    down_proj)
+
+
+@moe_experts_backward.register_fake
+def _(grad, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    return tuple(torch.empty_like(x) for x in (hidden, top_k_weights, gate_up_proj, down_proj))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    hidden, top_k_index, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+    d_hidden, d_weights, d_gate_up, d_down = moe_experts_backward(
+        grad, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    return d_hidden, None, d_weights, d_gate_up, d_down
+
+
+moe_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _experts_forward(self, hidden_states: Tensor, top_k_index: Tensor,
+                     top_k_weights: Tensor) -> Tensor:
+    """transformers' experts-interface signature, for Qwen3-MoE's experts module."""
+    return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                       self.down_proj)
+
+
+def _check_experts(module) -> None:
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    layout = (getattr(module, "has_gate", True), getattr(module, "has_bias", False),
+              getattr(module, "is_transposed", False), getattr(module, "is_concatenated", True),
+              getattr(module, "has_post_expert_norm", False))
+    if act != "silu" or layout != (True, False, False, True, False):
+        raise ValueError(
+            f"the grouped expert op runs gated SiLU experts with concatenated [gate; up] "
+            f"weights, no bias, not transposed, no post-expert norm; {type(module).__name__} "
+            f"has hidden_act={act!r}, (has_gate, has_bias, is_transposed, is_concatenated, "
+            f"has_post_expert_norm)={layout}")
+
+
+def use_grouped_experts(model) -> None:
+    """Run `model`'s experts (transformers' Qwen3-MoE) as one grouped, token-local op."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    if not experts:
+        raise ValueError(f"{type(model).__name__} has no experts modules (gate_up_proj)")
+    for m in experts:
+        _check_experts(m)
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
