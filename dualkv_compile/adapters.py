@@ -72,7 +72,7 @@ class _Torchtune:
     def layers(self, model):
         return list(model.layers)
 
-    def layer_forward(self, layer, hidden, positions):
+    def layer_forward(self, model, layer, hidden, positions):
         """One layer's forward without its module hooks (FSDP's run outside, see fsdp.py);
         mask=None is causal attention, which the attention pass rewrites."""
         return layer.forward(hidden, mask=None, input_pos=positions)
@@ -168,7 +168,7 @@ class _HuggingFace:
         _check_head(model.get_output_embeddings(), "get_output_embeddings()")
 
     def body(self, model, tokens, positions, mask=None):
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        base = _decoder(model)
         embeds = _embed_without_require_grads_hook(model, tokens)
         inputs = {"input_ids": tokens} if embeds is None else {"inputs_embeds": embeds}
         out = base(**inputs, attention_mask=mask, position_ids=positions, use_cache=False)
@@ -186,10 +186,40 @@ class _HuggingFace:
     def replicated_mask(self, padding_mask: Tensor) -> Tensor:
         return padding_mask.long()
 
+    # the layer-region path (optimize.py, compile_region="layer"; FSDP2): the body in parts
+    def embed(self, model, tokens):
+        embeds = _embed_without_require_grads_hook(model, tokens)
+        return model.get_input_embeddings()(tokens) if embeds is None else embeds
+
     def layers(self, model):
-        raise ValueError("compile_region='layer' (and with it FSDP2 sharding) supports "
-                         "torchtune decoders only; a transformers model runs as one compiled "
-                         "region (compile_region='model'), unsharded")
+        return list(_decoder(model).layers)
+
+    def layer_forward(self, model, layer, hidden, positions):
+        """One decoder layer's forward without its module hooks (FSDP's run outside, see
+        fsdp.py): the rotary tables from the packed positions, attention_mask=None (causal
+        SDPA, which the attention pass rewrites). A layer under transformers' gradient
+        checkpointing is checkpointed by its forward (where transformers wraps forward) or
+        else here, as its __call__ would."""
+        import functools
+
+        position_embeddings = _decoder(model).rotary_emb(hidden, positions)
+        forward = functools.partial(layer.forward, attention_mask=None, position_ids=positions,
+                                    position_embeddings=position_embeddings, use_cache=False)
+        wraps_forward = type(layer).forward.__code__.co_name == "forward_with_checkpointing"
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and not (
+                wraps_forward):
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(forward, hidden, use_reentrant=False)
+        return forward(hidden)
+
+    def final_norm(self, model, hidden):
+        return _decoder(model).norm(hidden)
+
+
+def _decoder(model):
+    """A transformers causal LM's decoder (embeddings, layers, rotary tables, final norm)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
 
 def adapter_for(model: nn.Module):

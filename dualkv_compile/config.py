@@ -51,8 +51,8 @@ class DualKVConfig:
     compile_region: what one compiled graph spans. "model": embedding to LM head, one graph
         (fastest; the passes see everything). "layer": one graph per decoder layer, reused by
         every layer, with the embedding, final norm and LM head run eagerly; FSDP2's hooks
-        run between the layers (torchtune decoders only). "auto": "layer" when the model was
-        passed to fully_shard (FSDP2), else "model".
+        run between the layers (torchtune decoders and transformers causal LMs). "auto":
+        "layer" when the model was passed to fully_shard (FSDP2), else "model".
     """
 
     version: int = 1

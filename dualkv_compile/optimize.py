@@ -105,7 +105,7 @@ class DualKVModel(nn.Module):
     def _traced_layer(self, layer: nn.Module, hidden: Tensor, positions: Tensor,
                       tables: list[Tensor]):
         layout_anchor(hidden, positions, tables)
-        return self._adapter.layer_forward(layer, hidden, positions)
+        return self._adapter.layer_forward(self.model, layer, hidden, positions)
 
     def _compiler(self, device: torch.device) -> str:
         if self.config.backend != "auto":

@@ -82,13 +82,10 @@ class GRPORecipe:
         self.model.to(device=self.device, dtype=self.dtype)
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if cfg.get("enable_activation_checkpointing", False):
-            # torchtune's per-layer checkpointing; optimize() inlines the checkpointed layers and
-            # recomputes them in the backward, except the shared-prefix attention (docs/api.md)
-            from torchtune.modules import TransformerSelfAttentionLayer
-            from torchtune.training import set_activation_checkpointing
-
-            set_activation_checkpointing(self.model,
-                                         auto_wrap_policy={TransformerSelfAttentionLayer})
+            # per-layer checkpointing (torchtune's, or transformers' own); optimize() inlines the
+            # checkpointed layers and recomputes them in the backward, except the shared-prefix
+            # attention (docs/api.md)
+            ddp.checkpoint_layers(self.model)
         reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
         ddp.shard_decoder(self.model, reshard_after_forward=reshard)
         ddp.shard_decoder(self.ref_model, reshard_after_forward=reshard)

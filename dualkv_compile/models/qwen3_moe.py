@@ -1,6 +1,6 @@
 """Qwen3-MoE for the recipes: transformers' Qwen3MoeForCausalLM built from sizes, random
-weights, set up the way optimize() runs it (SDPA attention, the per-token expert dispatch,
-no auxiliary router loss in the forward).
+weights, set up the way optimize() runs it (SDPA attention, the per-token expert dispatch or
+the grouped expert op, no auxiliary router loss in the forward).
 
 torchtune 0.6.1 has no mixture-of-experts Qwen; transformers' model is used as is (optimize()
 and the rollout engine both take transformers causal LMs).
@@ -19,8 +19,10 @@ def qwen3_moe(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads:
               embed_dim: int, head_dim: int, moe_intermediate_dim: int, num_experts: int,
               experts_per_token: int, max_seq_len: int = 40960, norm_topk_prob: bool = True,
               rope_base: float = 1_000_000.0, norm_eps: float = 1e-6, init_std: float = 0.02,
-              tie_word_embeddings: bool = False):
-    """A Qwen3-MoE causal LM (every layer sparse) with random weights drawn N(0, init_std)."""
+              tie_word_embeddings: bool = False, grouped_experts: bool = False):
+    """A Qwen3-MoE causal LM (every layer sparse) with random weights drawn N(0, init_std); its
+    experts run transformers' per-token dispatch, or with `grouped_experts` our grouped op
+    (models.use_grouped_experts: grouped GEMMs, for real model sizes)."""
     import transformers as tf
 
     cfg = tf.Qwen3MoeConfig(
@@ -32,7 +34,12 @@ def qwen3_moe(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads:
         rope_theta=rope_base, rms_norm_eps=norm_eps, initializer_range=init_std,
         tie_word_embeddings=tie_word_embeddings, output_router_logits=False)
     cfg._experts_implementation = "batched_mm"  # the dispatch optimize() proves token-local
-    return tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model = tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    if grouped_experts:
+        from .moe_experts import use_grouped_experts
+
+        use_grouped_experts(model)
+    return model
 
 
 def qwen3_moe_tiny(vocab_size: int = 151936, **kw):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["init_distributed", "shard_decoder", "world", "all_sum", "all_max",
+__all__ = ["init_distributed", "checkpoint_layers", "shard_decoder", "world", "all_sum", "all_max",
            "full_state_dicts", "load_full_state_dicts", "gather_objects"]
 
 
@@ -38,14 +38,27 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def checkpoint_layers(model: nn.Module) -> None:
+    """Activation checkpointing per decoder layer: torchtune's wrapper on a torchtune decoder,
+    gradient_checkpointing_enable (non-reentrant) on a transformers model."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+
+
 def shard_decoder(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2 as optimize() drives it (dualkv_compile/fsdp.py): fully_shard on each entry of
-    model.layers (after activation checkpointing), then on the model. No-op in one process."""
+    """FSDP2 as optimize() drives it (dualkv_compile/fsdp.py): fully_shard on each decoder
+    layer (after activation checkpointing), then on the model. No-op in one process."""
     if world()[1] == 1:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers:
+    layers = model.layers if hasattr(model, "layers") else model.get_decoder().layers
+    for layer in layers:  # a torchtune decoder's, or a transformers causal LM's decoder's
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
     return model

@@ -302,3 +302,28 @@ def test_the_grouped_op_with_a_routing_table_not_from_the_tokens_is_refused():
                                  generator=torch.Generator().manual_seed(0))
     with pytest.raises(Refusal, match="routing table must carry the tokens on axis 0"):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_layer_region_with_grouped_experts_and_checkpointing_equals_the_plain_model():
+    # the path FSDP2 takes (compile_region="layer"): one graph per decoder layer, transformers'
+    # gradient checkpointing inlined, the grouped expert op
+    from dualkv_compile.models import use_grouped_experts
+
+    packed_model, plain = moe(), moe()
+    use_grouped_experts(packed_model)
+    packed_model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False})
+    packed_model.train()
+    tokens, mask, p = make_batch([7, 3, 5], [[4, 2, 6], [3], [1, 5]], vocab=50,
+                                 generator=torch.Generator().manual_seed(1))
+    dk.counters.clear()
+    wrapper = dk.optimize(packed_model, dk.DualKVConfig(compile_region="layer"))
+    lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert wrapper.compile_region() == "layer" and dk.counters["checkpoints_inlined"] >= 1
+    weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)
+    (lp * weights).sum().backward()
+    ref = row_by_row_response_logprobs(plain, tokens, mask, p)
+    (ref * weights).sum().backward()
+    assert rel_err(lp.detach(), ref.detach()) < TOL
+    for (name, a), b in zip(packed_model.named_parameters(), plain.parameters()):
+        assert rel_err(a.grad, b.grad) < TOL, name

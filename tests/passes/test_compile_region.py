@@ -1,6 +1,7 @@
 """compile_region="layer": one compiled graph per decoder layer (reused by every layer), the
-embedding, final norm and LM head eager. CPU, fp64, against the unmodified model row by row;
-the FSDP2 use of this path is tests/test_fsdp.py."""
+embedding, final norm and LM head eager; torchtune decoders and transformers causal LMs (the
+MoE case is in tests/models/test_moe_cpu.py). CPU, fp64, against the unmodified model row by
+row; the FSDP2 use of this path is tests/test_fsdp.py."""
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ TOL = 1e-10
 
 
 def _checkpointed(model):
+    if hasattr(model, "gradient_checkpointing_enable"):  # transformers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
     from torchtune.modules import TransformerSelfAttentionLayer
     from torchtune.training import set_activation_checkpointing
 
@@ -28,7 +32,9 @@ def _checkpointed(model):
 
 @pytest.mark.parametrize("family,checkpointed,attention_backend",
                          [("qwen2_5", False, "auto"), ("llama3_2", False, "auto"),
-                          ("qwen2_5", True, "auto"), ("qwen2_5", True, "regions")])
+                          ("qwen2_5", True, "auto"), ("qwen2_5", True, "regions"),
+                          ("hf_qwen3", False, "auto"), ("hf_qwen3", True, "auto"),
+                          ("hf_llama", False, "regions")])
 def test_layer_region_matches_row_by_row(family, checkpointed, attention_backend):
     model = same_dtype_numerics(tiny_model(family)).double()
     if checkpointed:
@@ -39,6 +45,7 @@ def test_layer_region_matches_row_by_row(family, checkpointed, attention_backend
     assert wrapper.compile_region() == "layer"
 
     logits = wrapper(tokens, prompt_len=p, padding_mask=mask)
+    logits = getattr(logits, "logits", logits)  # transformers models return their output class
     for b, ref in enumerate(row_by_row_logits(model, tokens, mask)):
         assert rel_err(logits[b, mask[b]], ref.to(logits.dtype)) < 1e-6, b  # float32 unembed
 
@@ -64,13 +71,6 @@ def test_layer_region_matches_row_by_row(family, checkpointed, attention_backend
 def test_auto_region_is_model_for_an_unsharded_model():
     wrapper = dk.optimize(tiny_model("qwen2_5"))
     assert wrapper.compile_region() == "model"
-
-
-def test_layer_region_refuses_transformers_models():
-    wrapper = dk.optimize(tiny_model("hf_qwen3"), dk.DualKVConfig(compile_region="layer"))
-    tokens, mask, p = mixed_batch()
-    with pytest.raises(ValueError, match="torchtune decoders only"):
-        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
 
 def test_layer_region_refuses_hooked_layers():

@@ -79,17 +79,24 @@ SHRUNK_1_7B = ["device=cpu", "dtype=fp32", "group_size=3", "max_generated_tokens
                "model.max_seq_len=64"]
 
 
+SHRUNK_30B_A3B = [x for x in SHRUNK_1_7B if not x.startswith("model.intermediate_dim")] + [
+    "model.moe_intermediate_dim=32", "model.num_experts=4", "model.experts_per_token=2",
+    "groups_per_step=4", "rollout_batch_rows=2"]
+
+
 @pytest.mark.parametrize("config,extra", [
-    ("qwen3_1_7b_shaped_fsdp.yaml", []),
+    ("qwen3_1_7b_shaped_fsdp.yaml", SHRUNK_1_7B),
     # the 8-GPU config: 2 groups a rank in one micro-batch, each group's 3 samples decoded 2 + 1
-    ("qwen3_8b_shaped_8gpu.yaml", ["groups_per_step=4", "micro_batch_groups=2",
-                                   "rollout_batch_rows=2"]),
+    ("qwen3_8b_shaped_8gpu.yaml", SHRUNK_1_7B + ["groups_per_step=4", "micro_batch_groups=2",
+                                                 "rollout_batch_rows=2"]),
+    # the 16-GPU MoE config (issue #27 item 6): the grouped expert op under FSDP2
+    ("qwen3_30b_a3b_shaped_16gpu.yaml", SHRUNK_30B_A3B),
 ])
 def test_multi_gpu_configs_shrunk_run_both_ways(tmp_path, config, extra):
-    """The 2-GPU (issue #5) and 8-GPU (issue #7) configs at CPU size on 2 processes: same
-    components, checkpointing and sharding; dualkv on and off agree."""
-    on = tune_run(tmp_path / "on", *SHRUNK_1_7B, *extra, config=config)
-    off = tune_run(tmp_path / "off", *SHRUNK_1_7B, *extra, "dualkv.enabled=false", config=config)
+    """The 2-GPU (issue #5), 8-GPU (issue #7) and 16-GPU MoE (issue #27) configs at CPU size on
+    2 processes: same components, checkpointing and sharding; dualkv on and off agree."""
+    on = tune_run(tmp_path / "on", *extra, config=config)
+    off = tune_run(tmp_path / "off", *extra, "dualkv.enabled=false", config=config)
     assert [r["step"] for r in on] == [1, 2] == [r["step"] for r in off]
     for a, b in zip(on, off):
         for key in ("loss", "kl", "grad_norm", "response_logprob"):
