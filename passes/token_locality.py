@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.fx as fx
 from torch import Tensor
 
@@ -27,6 +26,7 @@ from dualkv_compile.stats import counters
 
 from ._common import (Refusal, example, op_name, pass_uuid, regions_ops, source_line,
                       token_local_ops)
+from ._locality_indexing import IndexingRules
 
 __all__ = ["prove_token_locality", "uuid"]
 
@@ -56,11 +56,13 @@ _SHAPE_QUERIES = {"size", "dim", "numel", "_log_api_usage_once", "is_floating_po
 _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
 
 
-def uuid() -> str:
-    return pass_uuid(__file__)
+def uuid() -> str:  # the rules in _locality_indexing.py are part of the pass
+    from . import _locality_indexing
+
+    return pass_uuid(__file__) + pass_uuid(_locality_indexing.__file__)
 
 
-class _Proof:
+class _Proof(IndexingRules):
     def __init__(self, graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout: set):
         self.axis: dict[fx.Node, object] = {tokens: 1, positions: 1}
         # tokens per index of the sequence axis: 1, or k where each token's rows were repeated
@@ -182,93 +184,6 @@ class _Proof:
             dims = dims[0]
         dims = [d % inp.dim() for d in dims]
         return dims.index(ax)
-
-    def getitem(self, node, out):
-        src, idx = node.args[0], node.args[1]
-        val = example(src)
-        if not isinstance(val, Tensor):  # tuple or list element
-            ax = self.tok(src)
-            return ax[idx] if isinstance(ax, (list, tuple)) else None
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        def width(i):  # input dims an index consumes: a boolean mask, as many as it has
-            if isinstance(i, fx.Node) and isinstance(example(i), Tensor) and (
-                    example(i).dtype == torch.bool):
-                return example(i).dim()
-            return 1
-
-        consumed = sum(width(i) for i in idx if i is not None and i is not Ellipsis)
-        expanded = []
-        for i in idx:
-            if i is Ellipsis:
-                expanded += [slice(None)] * (val.dim() - consumed)
-            else:
-                expanded.append(i)
-        expanded += [slice(None)] * (val.dim() - sum(1 for i in expanded if i is not None))
-        src_ax, in_dim, out_dim, result = self.tok(src), 0, 0, None
-        tensor_index_seen = False
-        for i in expanded:
-            if i is None:
-                out_dim += 1
-                continue
-            if isinstance(i, fx.Node) and isinstance(example(i), Tensor):
-                if tensor_index_seen:
-                    self.refuse(node, "several tensor indices")
-                tensor_index_seen = True
-                if example(i).dtype == torch.bool:
-                    if src_ax is not None and in_dim <= src_ax < in_dim + width(i):
-                        self.refuse(node, "it masks along the sequence axis")
-                    if self.tok(i) is not None:
-                        self.refuse(node, "a mask built from token data selects a data-"
-                                          "dependent set of rows")
-                    in_dim += width(i)
-                    out_dim += 1
-                    continue
-                if in_dim == src_ax:
-                    self.refuse(node, "it gathers along the sequence axis")
-                iax = self.tok(i)
-                if iax is not None:
-                    if src_ax is not None:
-                        self.refuse(node, "both the indexed tensor and the index carry tokens")
-                    result = out_dim + iax
-                out_dim += example(i).dim()
-                in_dim += 1
-                continue
-            if in_dim == src_ax:
-                if not (isinstance(i, slice) and i == slice(None)):
-                    self.refuse(node, f"it indexes the sequence axis with {i!r}")
-                result = out_dim
-            if isinstance(i, slice):
-                out_dim += 1
-            in_dim += 1
-        return result
-
-    def cat(self, node, out):
-        tensors = node.args[0]
-        name = op_name(node)
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-        axes = {self.tok(t) for t in tensors}
-        if None in axes and len(axes) > 1:
-            self.refuse(node, "it joins token data with a tensor that has its own sequence axis")
-        if len(axes) > 1:
-            self.refuse(node, "its operands carry the sequence on different axes")
-        (ax,) = axes
-        ndim = example(tensors[0]).dim()
-        if name == "cat":
-            if dim % ndim == ax:
-                self.refuse(node, "it concatenates along the sequence axis")
-            return ax
-        dim = dim % (ndim + 1)
-        return ax if ax < dim else ax + 1
-
-    def split(self, node, ax, inp, out):
-        name = op_name(node)
-        pos = {"chunk": 2, "split": 2, "tensor_split": 2, "unbind": 1}[name]
-        dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else 0) % inp.dim()
-        if dim == ax:
-            self.refuse(node, "it splits along the sequence axis")
-        if name == "unbind":
-            return [ax if ax < dim else ax - 1] * len(out)
-        return [ax] * len(out)
 
     def matmul(self, node):
         a, b = node.args[0], node.args[1]
