@@ -44,9 +44,12 @@ def source_line(node: fx.Node) -> str:
     return f"node {node.name} ({node.target})"
 
 
-def pass_uuid(path: str) -> str:
-    """A cache id that changes whenever the pass's source changes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def pass_uuid(*paths: str) -> str:
+    """A cache id that changes whenever the pass's source (these files) changes."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
 
 
 @functools.cache

@@ -59,7 +59,7 @@ _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
 def uuid() -> str:  # the rules in _locality_indexing.py are part of the pass
     from . import _locality_indexing
 
-    return pass_uuid(__file__) + pass_uuid(_locality_indexing.__file__)
+    return pass_uuid(__file__, _locality_indexing.__file__)
 
 
 class _Proof(IndexingRules):
