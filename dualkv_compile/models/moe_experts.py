@@ -8,14 +8,14 @@ is one op, `torch.ops.dualkv.moe_experts`, whose contract is token-local: row s 
 depends on rows s of `hidden`, `top_k_index` and `top_k_weights` (and on the weights). The
 token-locality proof has a rule for it; inside, the rows are grouped by expert:
 
-- CUDA, bf16/fp16: `torch.nn.functional.grouped_mm` (torch._grouped_mm on older torch) over
-  the rows sorted by expert, offsets from their counts: one GEMM launch per projection;
+- CUDA, bf16: `torch.nn.functional.grouped_mm` (torch._grouped_mm on older torch) over the
+  rows sorted by expert, offsets from their counts: one GEMM launch per projection, and one
+  per weight gradient (its 2-D x 2-D form);
 - elsewhere (the CPU reference, float64 tests): one matmul per expert that has rows.
 
 Its backward is a second op, written out (grouped_experts_backward): it recomputes the two
 projections (one more forward GEMM pair, as activation checkpointing of the experts would) and
-returns the gradients of hidden, the routing weights and both expert weight tensors. The weight
-gradients are one matmul per expert for now (a grouped 2-D x 2-D GEMM would make them one).
+returns the gradients of hidden, the routing weights and both expert weight tensors.
 
 `use_grouped_experts(model)` registers the op under the name "dualkv_grouped" in transformers'
 experts interface (its extension point, as attention functions are registered) and selects it
@@ -42,12 +42,20 @@ def _counts(flat: Tensor, experts: int) -> Tensor:
     return torch.histc(values, bins=experts, min=0, max=experts - 1).long()
 
 
-def _grouped_linear(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+def _grouped_mm():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _use_grouped(x: Tensor) -> bool:
+    """torch's grouped GEMM for bf16 on CUDA; the per-expert loop (the reference) elsewhere."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm() is not None
+
+
+def _grouped_linear(rows: Tensor, weight: Tensor, counts: Tensor, grouped: bool) -> Tensor:
     """rows [M, i] sorted by expert, `counts` rows per expert -> rows @ weight[e].T, [M, o]."""
-    grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and grouped is not None:
-        offsets = counts.cumsum(0, dtype=torch.int32)
-        return grouped(rows, weight.transpose(-2, -1), offs=offsets)
+    if grouped:
+        return _grouped_mm()(rows, weight.transpose(-2, -1),
+                             offs=counts.cumsum(0, dtype=torch.int32))
     out = rows.new_empty(rows.shape[0], weight.shape[-2])
     start = 0
     for e, n in enumerate(counts.tolist()):  # host loop: the reference path
@@ -58,18 +66,20 @@ def _grouped_linear(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
 
 
 def grouped_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                    gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+                    gate_up_proj: Tensor, down_proj: Tensor, grouped: bool | None = None) -> Tensor:
     """The experts of a gated SiLU MoE block, differentiable: hidden [S, d], top_k_index and
     top_k_weights [S, k], gate_up_proj [E, 2I, d] (gate rows first), down_proj [E, d, I] ->
-    [S, d] = sum over a token's k experts of weight * down(silu(gate) * up)."""
+    [S, d] = sum over a token's k experts of weight * down(silu(gate) * up). `grouped`:
+    torch's grouped GEMM or the per-expert loop (default: _use_grouped)."""
+    grouped = _use_grouped(hidden) if grouped is None else grouped
     s, k = top_k_index.shape
     experts = gate_up_proj.shape[0]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = _counts(flat, experts)
     rows = hidden[order // k]
-    gate, up = _grouped_linear(rows, gate_up_proj, counts).chunk(2, dim=-1)
-    out = _grouped_linear(F.silu(gate) * up, down_proj, counts)
+    gate, up = _grouped_linear(rows, gate_up_proj, counts, grouped).chunk(2, dim=-1)
+    out = _grouped_linear(F.silu(gate) * up, down_proj, counts, grouped)
     out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     unsorted = torch.empty_like(out).index_copy(0, order, out)  # back to (token, slot) order
     return unsorted.view(s, k, -1).sum(1).to(hidden.dtype)
@@ -86,9 +96,11 @@ def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
     return torch.empty_like(hidden)
 
 
-def _weight_grads(a: Tensor, b: Tensor, counts: Tensor) -> Tensor:
+def _weight_grads(a: Tensor, b: Tensor, counts: Tensor, grouped: bool) -> Tensor:
     """Per expert e, a[rows of e].T @ b[rows of e]: [E, a.shape[1], b.shape[1]] (zero for an
-    expert without rows). One matmul per expert with rows, on every device for now."""
+    expert without rows)."""
+    if grouped:  # the 2-D x 2-D form: offsets split a's columns and b's rows
+        return _grouped_mm()(a.t(), b, offs=counts.cumsum(0, dtype=torch.int32))
     out = a.new_zeros(counts.numel(), a.shape[1], b.shape[1])
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -99,31 +111,34 @@ def _weight_grads(a: Tensor, b: Tensor, counts: Tensor) -> Tensor:
 
 
 def grouped_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor,
-                             top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor):
+                             top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+                             grouped: bool | None = None):
     """Gradients of grouped_experts' output (given `grad` [S, d]) with respect to hidden,
     top_k_weights, gate_up_proj and down_proj; the projections are recomputed, not saved."""
+    grouped = _use_grouped(hidden) if grouped is None else grouped
     s, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = _counts(flat, gate_up_proj.shape[0])
     token = order // k
     rows = hidden[token]
-    gate, up = _grouped_linear(rows, gate_up_proj, counts).chunk(2, dim=-1)
+    gate, up = _grouped_linear(rows, gate_up_proj, counts, grouped).chunk(2, dim=-1)
     act = F.silu(gate)
     inner = act * up
-    out = _grouped_linear(inner, down_proj, counts)
+    out = _grouped_linear(inner, down_proj, counts, grouped)
     g = grad[token]
     wide = accumulation_dtype(out.dtype)
     d_weights = (g.to(wide) * out.to(wide)).sum(-1)
     d_weights = torch.empty_like(d_weights).index_copy(0, order, d_weights)
     d_out = g * top_k_weights.reshape(-1)[order, None].to(g.dtype)
-    d_inner = _grouped_linear(d_out, down_proj.transpose(-2, -1), counts)  # rows @ down[e]
+    d_inner = _grouped_linear(d_out, down_proj.transpose(-2, -1), counts, grouped)  # @ down[e]
     sig = torch.sigmoid(gate)
     d_gate_up = torch.cat([d_inner * up * sig * (1 + gate * (1 - sig)), d_inner * act], -1)
-    d_rows = _grouped_linear(d_gate_up, gate_up_proj.transpose(-2, -1), counts)
+    d_rows = _grouped_linear(d_gate_up, gate_up_proj.transpose(-2, -1), counts, grouped)
     d_hidden = torch.zeros_like(hidden).index_add_(0, token, d_rows.to(hidden.dtype))
     return (d_hidden, d_weights.view(s, k).to(top_k_weights.dtype),
-            _weight_grads(d_gate_up, rows, counts), _weight_grads(d_out, inner, counts))
+            _weight_grads(d_gate_up, rows, counts, grouped),
+            _weight_grads(d_out, inner, counts, grouped))
 
 
 @torch.library.custom_op("dualkv::moe_experts_backward", mutates_args=())
