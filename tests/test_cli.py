@@ -337,3 +337,14 @@ def test_step_benchmark_ragged_layouts_and_their_aligned_twins():
     pairs = p * (p + 1) // 2 + n * (p * r + r * (r + 1) // 2)
     assert useful_flops(model, packed) == (6 * layer_params * (p + n * r)
                                            + 12 * 8 * 4 * pairs * 2 + 6 * 64 * 32 * n * r)
+
+def test_ragged_benchmark_counts_tiles_by_hand():
+    # one prompt of 2 blocks, two responses of 1 block: the BlockMask visits the prompt's 3
+    # causal tiles and, per response, 2 prompt tiles and its own diagonal (4 diagonals are
+    # partial); a causal varlen kernel visits 3 * 4 / 2 = 6 tiles in each 3-block row
+    from dualkv_compile.tools.bench_ragged import main as ragged_main, tile_counts
+
+    tokens, mask, p = make_batch([256], [[128, 128]], vocab=100)
+    assert tile_counts(pack(tokens, prompt_len=p, padding_mask=mask), mask) == {
+        "ours": 9, "partial": 4, "varlen": 12}
+    ragged_main(["--tiles-only", "--caps", "2048,512", "--seeds", "0"])  # runs without a GPU

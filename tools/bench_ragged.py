@@ -13,6 +13,11 @@ Variants, timed in interleaved rounds in one process:
 - ours_<kernel>: shared_prefix_attention on the packed batch.
 ideal = varlen pairs / packed pairs (PackedBatch.pair_reduction); "x ideal" = (fa4_varlen ms /
 ours ms) / ideal, so 1.0 means a packed pair costs what a varlen pair does.
+
+Each row also counts 128 x 128 tiles (`tiles`, on the CPU): those the shared-prefix BlockMask
+visits, how many of them are partial (a mask_mod per element), and those a causal varlen
+kernel visits over the rows. tiles varlen / tiles ours / ideal is what a kernel of equal
+per-tile speed would reach. `--tiles-only` prints that table without a GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ def ragged_case(seed: int, p_cap: int, r_cap: int, max_tokens: int):
         prompts, responses = prompts[:groups], responses[:groups]
     tokens, mask, p = make_batch(prompts, responses, vocab=1000, generator=g)
     return tokens, mask, p, n, prompts, responses
+
+
+def tile_counts(pb, mask) -> dict:
+    """128 x 128 tiles: visited by the packed layout's BlockMask (and how many partial), and by
+    a causal varlen kernel over each row's valid tokens."""
+    from dualkv_compile.attention.block_mask import BLOCK_SIZE, block_classes
+
+    classes = block_classes(pb)
+    blocks = [-(-int(n) // BLOCK_SIZE) for n in mask.sum(1).tolist()]
+    return {"ours": int((classes > 0).sum()), "partial": int((classes == 1).sum()),
+            "varlen": sum(b * (b + 1) // 2 for b in blocks)}
 
 
 def _varlen(mask, hq, hkv, d):
@@ -92,8 +108,13 @@ def _ours(pb, kernel, hq, hkv, d):
 
 def run_case(seed, p_cap, r_cap, args) -> dict:
     tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
+    tiles = tile_counts(pack(tokens, prompt_len=p, padding_mask=mask), mask)
+    if args.tiles_only:
+        return {"seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
+                "ideal": pack(tokens, prompt_len=p, padding_mask=mask).pair_reduction,
+                "tiles": tiles}
     pb = pack(tokens.cuda(), prompt_len=p, padding_mask=mask.cuda())
-    row = {"seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
+    row = {"tiles": tiles, "seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
            "prompt_lengths": prompts, "mean_response": sum(map(sum, responses)) / (len(prompts) * n),
            "rows": tokens.shape[0], "padded_tokens": mask.numel(),
            "replicated_tokens": pb.replicated_tokens, "packed_tokens": pb.num_tokens,
@@ -133,6 +154,18 @@ def _table(rows, kernels) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tiles_table(rows) -> str:
+    lines = ["128 x 128 tiles per case: the packed BlockMask's against a causal varlen kernel's\n",
+             "| P cap | R cap | seed | groups x N | ideal | tiles ours (partial) | tiles varlen | "
+             "varlen / ours / ideal |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["tiles"]
+        lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['groups']} x {r['N']} | "
+                     f"{r['ideal']:.2f} | {t['ours']} ({t['partial'] / t['ours']:.0%}) | "
+                     f"{t['varlen']} | {t['varlen'] / t['ours'] / r['ideal']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -147,8 +180,14 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=int, default=600)
+    ap.add_argument("--tiles-only", action="store_true",
+                    help="count the tiles of each case (CPU) and time nothing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.tiles_only:
+        rows = [run_case(seed, *(int(x) for x in caps.split(",")), args)
+                for caps in args.caps for seed in args.seeds]
+        return write_results(args.out, {"tiles_only": True}, rows, _tiles_table(rows))
     if not torch.cuda.is_available():
         raise SystemExit("the ragged attention benchmark needs a CUDA GPU")
     rows = []
