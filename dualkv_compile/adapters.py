@@ -206,8 +206,8 @@ class _HuggingFace:
         forward = functools.partial(layer.forward, attention_mask=None, position_ids=positions,
                                     position_embeddings=position_embeddings, use_cache=False)
         wraps_forward = type(layer).forward.__code__.co_name == "forward_with_checkpointing"
-        if getattr(layer, "gradient_checkpointing", False) and layer.training and not (
-                wraps_forward):
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and (
+                torch.is_grad_enabled() and not wraps_forward):
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(forward, hidden, use_reentrant=False)

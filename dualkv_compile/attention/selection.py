@@ -116,7 +116,7 @@ def describe_attention_backend(device: torch.device, head_dim: int | None = None
     kernel = attention_kernel(requested)
     if device.type != "cuda":
         if kernel.cpu_form is None:
-            return f"{requested!r} is a CUDA kernel; {device} runs the reference"
+            return f"{requested!r} is a CUDA kernel and cannot run on {device}"
         name = "CPU reference" if kernel.flex else kernel.name.upper()
         return f"{name} on {device} (requested {requested!r}; {kernel.cpu_form})"
     if kernel.flex:

@@ -93,7 +93,7 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
 
 @moe_experts.register_fake
 def _(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    return torch.empty_like(hidden)
+    return hidden.new_empty(hidden.shape)  # contiguous, as the real output is
 
 
 def _weight_grads(a: Tensor, b: Tensor, counts: Tensor, grouped: bool) -> Tensor:
@@ -135,7 +135,10 @@ def grouped_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor,
     sig = torch.sigmoid(gate)
     d_gate_up = torch.cat([d_inner * up * sig * (1 + gate * (1 - sig)), d_inner * act], -1)
     d_rows = _grouped_linear(d_gate_up, gate_up_proj.transpose(-2, -1), counts, grouped)
-    d_hidden = torch.zeros_like(hidden).index_add_(0, token, d_rows.to(hidden.dtype))
+    # back to (token, slot) order and summed over a token's k slots, as the forward sums (no
+    # atomic adds in the output dtype)
+    d_rows = torch.empty_like(d_rows).index_copy(0, order, d_rows)
+    d_hidden = d_rows.view(s, k, -1).sum(1).to(hidden.dtype)
     return (d_hidden, d_weights.view(s, k).to(top_k_weights.dtype),
             _weight_grads(d_gate_up, rows, counts, grouped),
             _weight_grads(d_out, inner, counts, grouped))
@@ -151,7 +154,7 @@ def moe_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor,
 
 @moe_experts_backward.register_fake
 def _(grad, hidden, top_k_index, top_k_weights, gate_up_proj, down_proj):
-    return tuple(torch.empty_like(x) for x in (hidden, top_k_weights, gate_up_proj, down_proj))
+    return tuple(x.new_empty(x.shape) for x in (hidden, top_k_weights, gate_up_proj, down_proj))
 
 
 def _setup_context(ctx, inputs, output):
@@ -180,6 +183,9 @@ def _check_experts(module) -> None:
     layout = (getattr(module, "has_gate", True), getattr(module, "has_bias", False),
               getattr(module, "is_transposed", False), getattr(module, "is_concatenated", True),
               getattr(module, "has_post_expert_norm", False))
+    if getattr(module, "_is_expert_parallel", False):
+        raise ValueError(f"the grouped expert op runs every expert on every rank; "
+                         f"{type(module).__name__} is set up for expert parallelism")
     if act != "silu" or layout != (True, False, False, True, False):
         raise ValueError(
             f"the grouped expert op runs gated SiLU experts with concatenated [gate; up] "

@@ -39,15 +39,23 @@ def world() -> tuple[int, int]:
 
 
 def checkpoint_layers(model: nn.Module) -> None:
-    """Activation checkpointing per decoder layer: torchtune's wrapper on a torchtune decoder,
-    gradient_checkpointing_enable (non-reentrant) on a transformers model."""
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return
-    from torchtune.modules import TransformerSelfAttentionLayer
-    from torchtune.training import set_activation_checkpointing
+    """Activation checkpointing per decoder layer (non-reentrant): torchtune's wrapper on a
+    torchtune decoder; a transformers model's own (activation_checkpointing_enable, or
+    gradient_checkpointing_enable, its older name); anything else refused."""
+    from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
 
-    set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    if isinstance(model, TransformerDecoder):
+        from torchtune.training import set_activation_checkpointing
+
+        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    elif hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError(f"enable_activation_checkpointing: no per-layer checkpointing is known "
+                         f"for {type(model).__name__} (a torchtune TransformerDecoder or a "
+                         f"transformers model)")
 
 
 def shard_decoder(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.Module:
