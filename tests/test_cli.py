@@ -5,7 +5,6 @@ import struct
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from dualkv_compile.attention.block_mask import BLOCK_SIZE, dense_mask
 from dualkv_compile.testing import make_batch
 from dualkv_compile.tools.cli import build_parser, main
 from dualkv_compile.tools.plan_cmd import estimate
+from recipe_helpers import ROOT
 
 import transformers  # noqa: E402,F401  (a test dependency: fail loudly if it is missing)
 
@@ -272,9 +272,6 @@ def test_step_benchmark_compiled_adamw_steps_like_eager_adamw():
     assert counters["stats"]["unique_graphs"] > graphs  # the step did run under Dynamo
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def test_bench_ab_prepares_another_commit_that_imports_beside_this_one(tmp_path):
     # `dualkv bench ab --prepare` renames the package and its ops so both load in one process;
     # the other copy (here HEAD) must compute what this tree computes (CPU fp64, both the
@@ -338,7 +335,7 @@ def test_step_benchmark_ragged_layouts_and_their_aligned_twins():
     assert useful_flops(model, packed) == (6 * layer_params * (p + n * r)
                                            + 12 * 8 * 4 * pairs * 2 + 6 * 64 * 32 * n * r)
 
-def test_ragged_benchmark_counts_tiles_by_hand():
+def test_ragged_benchmark_counts_tiles_by_hand(capsys):
     # one prompt of 2 blocks, two responses of 1 block: the BlockMask visits the prompt's 3
     # causal tiles and, per response, 2 prompt tiles and its own diagonal (4 diagonals are
     # partial); a causal varlen kernel visits 3 * 4 / 2 = 6 tiles in each 3-block row
@@ -348,3 +345,5 @@ def test_ragged_benchmark_counts_tiles_by_hand():
     assert tile_counts(pack(tokens, prompt_len=p, padding_mask=mask), mask) == {
         "ours": 9, "partial": 4, "varlen": 12}
     ragged_main(["--tiles-only", "--caps", "2048,512", "--seeds", "0"])  # runs without a GPU
+    table = capsys.readouterr().out
+    assert "| 2048 | 512 | 0 | 6 x 8 | 2.28 | 1298 (40%) | 2753 | 0.93 |" in table

@@ -108,11 +108,11 @@ def _ours(pb, kernel, hq, hkv, d):
 
 def run_case(seed, p_cap, r_cap, args) -> dict:
     tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
-    tiles = tile_counts(pack(tokens, prompt_len=p, padding_mask=mask), mask)
+    on_cpu = pack(tokens, prompt_len=p, padding_mask=mask)
+    tiles = tile_counts(on_cpu, mask)
     if args.tiles_only:
         return {"seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
-                "ideal": pack(tokens, prompt_len=p, padding_mask=mask).pair_reduction,
-                "tiles": tiles}
+                "ideal": on_cpu.pair_reduction, "tiles": tiles}
     pb = pack(tokens.cuda(), prompt_len=p, padding_mask=mask.cuda())
     row = {"tiles": tiles, "seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
            "prompt_lengths": prompts, "mean_response": sum(map(sum, responses)) / (len(prompts) * n),

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..numerics import accumulation_dtype
 from . import lse_merge_kernel, regions
+from .merge import merge_partials
 from .selection import flash_status
 from .region_ops import plan_of_tables, register_autograd
 
@@ -134,8 +135,8 @@ def _kernels(q: Tensor):
 
 def _merge_into_eager(out: Tensor, lse: Tensor, out_x: Tensor, lse_x: Tensor) -> None:
     """out [L, H, D] and lse [H, L] (views into the results) become the softmax over both
-    regions: out_x/lse_x are the cross call's (regions.merge_partials, written in place)."""
-    merged_out, merged_lse = regions.merge_partials(out_x, lse_x.T, out, lse.T)
+    regions: out_x/lse_x are the cross call's (merge.merge_partials, written in place)."""
+    merged_out, merged_lse = merge_partials(out_x, lse_x.T, out, lse.T)
     out.copy_(merged_out)
     lse.copy_(merged_lse.T)
 

@@ -28,9 +28,10 @@ from torch.autograd.function import once_differentiable
 
 from ..layout.packing import PackedBatch
 from ..numerics import accumulation_dtype
+from .merge import merge_partials
 from .registry import CUDNN_DTYPES
 
-__all__ = ["empty_output", "merge_partials", "plan_of_packed", "plan_of_segments", "regions_backward",
+__all__ = ["empty_output", "plan_of_packed", "plan_of_segments", "regions_backward",
            "regions_forward", "two_region_attention"]
 
 
@@ -265,18 +266,6 @@ def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> list:
 
 def _sl(x: Tensor, span: tuple[int, int]) -> Tensor:
     return x[:, :, span[0]:span[1]]
-
-
-def merge_partials(o_x, l_x, o_own, l_own):
-    """Two partial softmaxes of the same rows -> (out, lse), the softmax over both key regions:
-    the merge of both region kernels (flash_regions calls it on its token-major layout, and
-    lse_merge_kernel is its fused CUDA form there). o_* [..., D], l_* [...] one per row of o_*;
-    computed in float32 (float64 for float64), out rounded to o_x's dtype once."""
-    l_x, l_own = _wide(l_x), _wide(l_own)
-    lse = torch.logaddexp(l_x, l_own)
-    out = (_wide(o_x) * (l_x - lse).exp().unsqueeze(-1)
-           + _wide(o_own) * (l_own - lse).exp().unsqueeze(-1))
-    return out.to(o_x.dtype), lse
 
 
 _compiled_merge = []

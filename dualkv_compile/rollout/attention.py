@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..attention.merge import merge_partials
 from ..numerics import accumulation_dtype
 
-__all__ = ["decode_attention", "merge_regions", "split_lengths", "IMPLEMENTATIONS"]
+__all__ = ["decode_attention", "split_lengths", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("math", "flex")
 # flex's decoding kernel puts all of a kv head's queries (rows x query heads per kv head) in
@@ -35,14 +36,6 @@ IMPLEMENTATIONS = ("math", "flex")
 # ran 50x slower than N = 16); larger query sets are cut into tiles of 64
 _PROMPT_TILE_ROWS = 64
 _PROMPT_NUM_WARPS = 4
-
-
-def merge_regions(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-    """Attention over keys A ∪ B from attention over A and over B: out [..., D], lse [...].
-    One of the two must hold a key (a finite lse)."""
-    m = torch.maximum(lse_a, lse_b)
-    wa, wb = torch.exp(lse_a - m).unsqueeze(-1), torch.exp(lse_b - m).unsqueeze(-1)
-    return (out_a * wa + out_b * wb) / (wa + wb)
 
 
 def _merge_splits(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -95,7 +88,7 @@ def _math(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     cols = torch.arange(resp_k.shape[2], device=q.device)
     out_r, lse_r = _math_region(q.view(rows, hkv, rep, d), resp_k, resp_v,
                                 (cols <= last)[None, None, None, :], scale)
-    return merge_regions(out_p, lse_p, out_r.reshape(rows, hq, d), lse_r.reshape(rows, hq))
+    return merge_partials(out_p, lse_p, out_r.reshape(rows, hq, d), lse_r.reshape(rows, hq))[0]
 
 
 def _prompt_kernel_options(queries_per_kv_head: int) -> dict:
@@ -130,9 +123,9 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
                                  aux_p.lse.view(groups, splits, hq, n).to(wide))
     out_r, aux_r = flex_attention(q.unsqueeze(2), resp_k, resp_v, score_mod=in_response,
                                   scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
-    return merge_regions(out_p.transpose(1, 2).reshape(rows, hq, d),
-                         lse_p.transpose(1, 2).reshape(rows, hq),
-                         out_r[:, :, 0].to(wide), aux_r.lse[:, :, 0].to(wide))
+    return merge_partials(out_p.transpose(1, 2).reshape(rows, hq, d),
+                          lse_p.transpose(1, 2).reshape(rows, hq),
+                          out_r[:, :, 0].to(wide), aux_r.lse[:, :, 0].to(wide))[0]
 
 
 def decode_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_len: Tensor,

@@ -44,13 +44,9 @@ def moe(seed=0, dispatch="batched_mm", **overrides):
     return model.eval()
 
 
-def test_qwen3_moe_logprobs_and_every_gradient_equal_the_plain_model():
-    packed_model, plain = moe(), moe()
-    tokens, mask, p = make_batch([7, 3, 5], [[4, 2, 6], [3], [1, 5]], vocab=50,
-                                 generator=torch.Generator().manual_seed(0))
-    dk.counters.clear()
-    lp = dk.optimize(packed_model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-    assert dk.counters["attention_rewritten"] == 2 and dk.counters.get("dense_fallback", 0) == 0
+def assert_matches_plain_model(lp, packed_model, plain, tokens, mask, p) -> list[str]:
+    """The packed model's logprobs `lp` and, after a weighted backward, every parameter's
+    gradient equal the plain model's row by row (TOL); returns the parameter names checked."""
     weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)
     (lp * weights).sum().backward()
     ref = row_by_row_response_logprobs(plain, tokens, mask, p)
@@ -60,6 +56,17 @@ def test_qwen3_moe_logprobs_and_every_gradient_equal_the_plain_model():
     for (name, a), b in zip(packed_model.named_parameters(), plain.parameters()):
         assert rel_err(a.grad, b.grad) < TOL, name
         names.append(name)
+    return names
+
+
+def test_qwen3_moe_logprobs_and_every_gradient_equal_the_plain_model():
+    packed_model, plain = moe(), moe()
+    tokens, mask, p = make_batch([7, 3, 5], [[4, 2, 6], [3], [1, 5]], vocab=50,
+                                 generator=torch.Generator().manual_seed(0))
+    dk.counters.clear()
+    lp = dk.optimize(packed_model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert dk.counters["attention_rewritten"] == 2 and dk.counters.get("dense_fallback", 0) == 0
+    names = assert_matches_plain_model(lp, packed_model, plain, tokens, mask, p)
     assert any("mlp.gate" in n for n in names) and any("experts" in n for n in names)
 
 
@@ -224,13 +231,7 @@ def test_grouped_expert_op_logprobs_and_every_gradient_equal_the_plain_model():
     dk.counters.clear()
     lp = dk.optimize(packed_model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert dk.counters["attention_rewritten"] == 2 and dk.counters.get("dense_fallback", 0) == 0
-    weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)
-    (lp * weights).sum().backward()
-    ref = row_by_row_response_logprobs(plain, tokens, mask, p)
-    (ref * weights).sum().backward()
-    assert rel_err(lp.detach(), ref.detach()) < TOL
-    for (name, a), b in zip(packed_model.named_parameters(), plain.parameters()):
-        assert rel_err(a.grad, b.grad) < TOL, name
+    assert_matches_plain_model(lp, packed_model, plain, tokens, mask, p)
 
 
 def _experts(num_experts, hidden_size, seed=0):
@@ -320,13 +321,7 @@ def test_layer_region_with_grouped_experts_and_checkpointing_equals_the_plain_mo
     wrapper = dk.optimize(packed_model, dk.DualKVConfig(compile_region="layer"))
     lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert wrapper.compile_region() == "layer" and dk.counters["checkpoints_inlined"] >= 1
-    weights = torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)
-    (lp * weights).sum().backward()
-    ref = row_by_row_response_logprobs(plain, tokens, mask, p)
-    (ref * weights).sum().backward()
-    assert rel_err(lp.detach(), ref.detach()) < TOL
-    for (name, a), b in zip(packed_model.named_parameters(), plain.parameters()):
-        assert rel_err(a.grad, b.grad) < TOL, name
+    assert_matches_plain_model(lp, packed_model, plain, tokens, mask, p)
 
 
 def test_grouped_gemm_form_equals_the_per_expert_loop_in_bf16():
