@@ -164,7 +164,8 @@ class GRPORecipe:
         parts = self._generate_all(prompts, calls)
         response = torch.cat(parts)
         batch = prompts.repeat_interleave(n, 0)
-        is_eos = response == tok.eos_id
+        is_eos = torch.isin(response, torch.tensor(tok.stop_tokens, device=response.device,
+                                                   dtype=response.dtype))
         # valid: everything up to and including the first eos
         before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0
         lengths = before_eos.sum(1)
@@ -179,7 +180,7 @@ class GRPORecipe:
             prompts, samples=samples, max_generated_tokens=cfg.max_generated_tokens,
             pad_id=tok.pad_id, temperature=cfg.temperature, top_k=cfg.top_k,
             top_p=cfg.get("top_p"), rng=self.rng, dtype=self.dtype,
-            stop_token=tok.eos_id if tok.eos_id is not None and tok.eos_id >= 0 else None)
+            stop_token=tuple(tok.stop_tokens) or None)
 
     @torch.no_grad()
     def _generate_all(self, prompts: torch.Tensor, calls: list) -> list[torch.Tensor]:

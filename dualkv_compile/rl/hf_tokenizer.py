@@ -20,6 +20,7 @@ class HFTokenizer:
         if self._tok.eos_token_id is None:
             raise ValueError(f"the tokenizer in {path} has no eos token")
         self.eos_id = self._tok.eos_token_id
+        self.stop_tokens = (self.eos_id,)  # the ids that end a response
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = self._tok.bos_token_id
 

@@ -21,6 +21,7 @@ class CharTokenizer:
     """Characters <-> ids. 0 = pad, 1 = bos, 2 = eos, then the alphabet."""
 
     pad_id, bos_id, eos_id = 0, 1, 2
+    stop_tokens = (2,)  # the ids that end a response (torchtune's tokenizers' attribute)
 
     def __init__(self, alphabet: str = string.ascii_lowercase + ":"):
         if len(set(alphabet)) != len(alphabet):

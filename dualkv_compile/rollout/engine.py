@@ -7,7 +7,7 @@
 prompts [G, P] (left-padded with pad_id) -> responses [G * samples, T], rows group-major. Per
 call: the prompts are prefilled once (padding stripped), the first tokens sampled from their
 last logits, then T - 1 decode steps run in chunks of `steps_per_graph`; on CUDA each chunk is
-one CUDA graph of the compiled step, and the stop token is checked once per chunk (the only
+one CUDA graph of the compiled step, and the stop tokens are checked once per chunk (the only
 host sync). A row's tokens after its stop token are pad_id.
 
 Compiles: one per (rows, groups, prompt capacity bucket, T, dtype, sampling settings); graphs
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
 from .graphs import StepGraph, warm_up, weights_fingerprint
-from .sampling import SamplingParams, draw_noise, sample
+from .sampling import SamplingParams, draw_noise, is_stop, sample, stop_ids
 from .step import make_decode_step, prefill
 from .weights import gathered_weights
 
@@ -85,14 +86,16 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Tensor, *, samples: int, max_generated_tokens: int, pad_id: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 stop_token: int | None = None, rng: torch.Generator | None = None,
-                 dtype: torch.dtype | None = None,
+                 stop_token: int | Sequence[int] | None = None,
+                 rng: torch.Generator | None = None, dtype: torch.dtype | None = None,
                  return_logprobs: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """prompts [G, P] -> responses [G * samples, T] (and with return_logprobs, each sampled
-        token's logprob [G * samples, T] under softmax(logits / temperature), 0 after a stop)."""
+        token's logprob [G * samples, T] under softmax(logits / temperature), 0 after a stop).
+        stop_token: the id, or ids (e.g. a generation config's eos_token_id list), that end a
+        response."""
         sampling = SamplingParams(temperature, top_k, top_p)
-        compact, plen, pmax = self._check(prompts, samples, max_generated_tokens, pad_id,
-                                          stop_token, rng)
+        stops = stop_ids(stop_token, self.decoder.vocab_size)
+        compact, plen, pmax = self._check(prompts, samples, max_generated_tokens, pad_id, rng)
         device = prompts.device
         on_cuda = device.type == "cuda"
         implementation = self.attention if self.attention != "auto" else (
@@ -108,7 +111,7 @@ class RolloutEngine:
             capacity, compact.shape[1])), value=pad_id)
         dtype = dtype or next(self.model.parameters()).dtype
         key = (rows, groups if self.share_prompt else rows, capacity, t, dtype, sampling,
-               pad_id, stop_token, implementation, device)
+               pad_id, stops, implementation, device)
         with gathered_weights(self.model):
             ws = self._workspace_for(key, on_cuda, compiled)
             # graphs are captured before the cache is filled (a capture warms up on it first);
@@ -139,9 +142,9 @@ class RolloutEngine:
             c.out[:, 0] = first
             c.logprobs[:, 0] = (logits / temperature).log_softmax(-1).gather(
                 1, first[:, None])[:, 0]
-            if stop_token is not None:
-                c.done.copy_(first == stop_token)
-            self._decode(ws, t - 1, stop_token is not None, gen)
+            if stops:
+                c.done.copy_(is_stop(first, stops))
+            self._decode(ws, t - 1, bool(stops), gen)
             if gen is not rng:
                 source.set_state(gen.get_state())
             if return_logprobs:
@@ -153,7 +156,7 @@ class RolloutEngine:
         return self._workspace.cache.kv_bytes() if self._workspace else 0
 
     # ---- checks ------------------------------------------------------------------------------
-    def _check(self, prompts, samples, t, pad_id, stop_token, rng):
+    def _check(self, prompts, samples, t, pad_id, rng):
         if prompts.dim() != 2 or prompts.shape[0] < 1 or prompts.dtype not in (
                 torch.long, torch.int32):
             raise ValueError(f"prompts {tuple(prompts.shape)} ({prompts.dtype}) must be [G, P] "
@@ -168,8 +171,6 @@ class RolloutEngine:
         if lo < 0 or hi >= vocab:
             raise ValueError(f"prompts hold token id {lo if lo < 0 else hi}, outside the "
                              f"model's vocabulary [0, {vocab})")
-        if stop_token is not None and not 0 <= stop_token < vocab:
-            raise ValueError(f"stop_token={stop_token} is outside the vocabulary [0, {vocab})")
         valid = prompts != pad_id
         plen = valid.sum(1)
         empty = (plen == 0).nonzero()[:, 0].tolist()
@@ -210,8 +211,8 @@ class RolloutEngine:
         if key not in self._steps:
             rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device = key
             self._steps[key] = make_decode_step(
-                self.decoder, sampling=sampling, pad_id=pad_id, stop_token=stop,
-                implementation=impl, compile_fn=self._compile if compiled else None)
+                self.decoder, sampling=sampling, pad_id=pad_id, stops=stop,
+                implementation=impl, device=device, compile_fn=self._compile if compiled else None)
         return self._steps[key]
 
     def _compile(self, fn):

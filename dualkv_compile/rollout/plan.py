@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -12,7 +14,7 @@ __all__ = ["generate_groups", "plan_calls"]
 
 def generate_groups(model, prompts: Tensor, *, samples: int, max_generated_tokens: int,
                     pad_id: int, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None, stop_token: int | None = None,
+                    top_p: float | None = None, stop_token: int | Sequence[int] | None = None,
                     rng: torch.Generator | None = None,
                     dtype: torch.dtype | None = None) -> Tensor:
     """prompts [G, P] (left-padded with pad_id) -> responses [G * samples, T]: `samples`

@@ -4,10 +4,12 @@ tokens so far) and samples the last position with the engine's sampler and the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, is_stop, sample, stop_ids
 
 __all__ = ["reference_generate"]
 
@@ -31,10 +33,11 @@ def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
 @torch.no_grad()
 def reference_generate(model, prompts: Tensor, *, samples: int, max_generated_tokens: int,
                        pad_id: int, temperature: float = 1.0, top_k: int | None = None,
-                       top_p: float | None = None, stop_token: int | None = None,
+                       top_p: float | None = None, stop_token: int | Sequence[int] | None = None,
                        rng: torch.Generator | None = None) -> Tensor:
     """What RolloutEngine.generate returns, computed the slow, obvious way."""
     params = SamplingParams(temperature, top_k, top_p)
+    stops = stop_ids(stop_token)
     tokens = prompts.repeat_interleave(samples, 0)
     valid = tokens != pad_id
     rows, out = tokens.shape[0], []
@@ -44,8 +47,8 @@ def reference_generate(model, prompts: Tensor, *, samples: int, max_generated_to
         noise = torch.empty_like(logits).exponential_(1, generator=rng)
         token = torch.where(done, pad_id, sample(logits, noise, params))
         out.append(token)
-        if stop_token is not None:
-            done |= token == stop_token
+        if stops:
+            done |= is_stop(token, stops)
         tokens = torch.cat([tokens, token[:, None]], 1)
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], 1)
     return torch.stack(out, 1)

@@ -10,12 +10,13 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "draw_noise", "sample"]
+__all__ = ["SamplingParams", "draw_noise", "is_stop", "sample", "stop_ids", "stop_table"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,41 @@ def sample(logits: Tensor, noise: Tensor, params: SamplingParams) -> Tensor:
         logits = _top_p(logits, params.top_p)
     probs = torch.nn.functional.softmax(logits, dim=-1)
     return torch.argmax(probs / noise, dim=-1)
+
+
+def stop_ids(stop_token, vocab: int | None = None) -> tuple[int, ...]:
+    """The ids that end a response, as a sorted tuple (empty: none) from None, one id, or
+    several (a generation config's eos_token_id list); each checked against [0, vocab)."""
+    if stop_token is None:
+        return ()
+    try:
+        operator.index(stop_token)
+        given = [stop_token]
+    except TypeError:  # several ids, or something that is not an id (refused below)
+        given = list(stop_token) if hasattr(stop_token, "__iter__") else [stop_token]
+    ids = []
+    for raw in given:
+        try:
+            i = None if isinstance(raw, bool) else operator.index(raw)
+        except TypeError:
+            i = None
+        if i is None or i < 0 or (vocab is not None and i >= vocab):
+            where = f"[0, {vocab})" if vocab is not None else "[0, vocab)"
+            raise ValueError(f"stop_token={stop_token!r} is not a token id (or ids) in {where}")
+        ids.append(i)
+    if not ids:
+        raise ValueError("stop_token=[] names no token; pass None for no stop token")
+    return tuple(sorted(set(ids)))
+
+
+def is_stop(token: Tensor, stops: tuple[int, ...]) -> Tensor:
+    """tokens [rows] -> [rows] bool: the token is one of `stops` (eager; a compiled step
+    indexes `stop_table` instead, which creates no tensor)."""
+    return torch.isin(token, torch.tensor(stops, dtype=token.dtype, device=token.device))
+
+
+def stop_table(stops: tuple[int, ...], vocab: int, device) -> Tensor:
+    """[vocab] bool, True at the stop ids: `table[token]` marks stopped rows in a captured step."""
+    table = torch.zeros(vocab, dtype=torch.bool, device=device)
+    table[list(stops)] = True
+    return table

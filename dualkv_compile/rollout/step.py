@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import decode_attention
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, stop_table
 
 __all__ = ["make_decode_step", "prefill"]
 
@@ -55,13 +55,14 @@ def _store_split(cache: Tensor, kv: Tensor, copies: int) -> None:
     cache.copy_(split.repeat_interleave(copies, 0) if copies > 1 else split)
 
 
-def make_decode_step(dec, *, sampling: SamplingParams, pad_id: int, stop_token: int | None,
-                     implementation: str, compile_fn=None):
+def make_decode_step(dec, *, sampling: SamplingParams, pad_id: int, stops: tuple[int, ...],
+                     implementation: str, device, compile_fn=None):
     """step(*cache.decode_tensors()): feed `tokens` (response index `step`), write their K/V at
     `step`, sample the next tokens into out[:, step + 1] (their logprobs into logprobs[:, step +
-    1]), mark stopped rows, advance `step`. compile_fn (e.g. torch.compile) wraps the layer and
-    head functions."""
+    1]), mark rows that sampled one of `stops` as done, advance `step`. compile_fn (e.g.
+    torch.compile) wraps the layer and head functions."""
     temperature = sampling.temperature
+    stopping = stop_table(stops, dec.vocab_size, device) if stops else None
 
     def decode_layer(layer, x, rope, prompt_k, prompt_v, prompt_len, resp_k, resp_v, step):
         rows = x.shape[0]
@@ -81,8 +82,8 @@ def make_decode_step(dec, *, sampling: SamplingParams, pad_id: int, stop_token: 
         at = step.view(1) + 1
         out[:, at] = token[:, None]
         logprobs[:, at] = torch.where(done, 0.0, logprob)[:, None]
-        if stop_token is not None:
-            done.logical_or_(token == stop_token)
+        if stopping is not None:
+            done.logical_or_(stopping[token])
         tokens.copy_(token)
         step.add_(1)
 

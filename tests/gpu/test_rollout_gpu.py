@@ -1,6 +1,7 @@
 """GPU: the rollout engine compiled and replayed as CUDA graphs.
 
-- A graph replay samples exactly what the same compiled step launched eagerly samples.
+- A graph replay samples exactly what the same compiled step launched eagerly samples, also
+  with several stop tokens.
 - An in-place weight update (an optimizer step) is seen by the next rollout without a capture.
 - Flex decode attention in bf16 is within the math path's own bf16 error of float64.
 - The engine's bf16 logprobs against optimize().response_logprobs on the sampled tokens:
@@ -54,6 +55,21 @@ def test_graph_replay_equals_the_eagerly_launched_step():
     compiled, captures = graphs.stats["compiled_functions"], graphs.stats["captures"]
     assert torch.equal(run(graphs, p), a)
     assert (graphs.stats["compiled_functions"], graphs.stats["captures"]) == (compiled, captures)
+
+
+def test_several_stop_tokens_in_a_captured_step():
+    # every 16th id stops a response (as IdTokenizer(stop_every=16) does): most rows end early
+    m, p, stops = model(seed=4), prompts(), list(range(1, VOCAB, 16))
+    graphs = RolloutEngine(m, steps_per_graph=8)
+    a = run(graphs, p, stop_token=stops)
+    b = run(RolloutEngine(m, cuda_graphs=False), p, stop_token=stops)
+    assert graphs.stats["captures"] >= 1 and graphs.stats["graph_fallbacks"] == 0
+    assert torch.equal(a, b)
+    is_stop = torch.isin(a, torch.tensor(stops, device=a.device))
+    assert is_stop.any(1).float().mean() > 0.5
+    first = torch.where(is_stop.any(1), is_stop.int().argmax(1), a.shape[1])
+    after = torch.arange(a.shape[1], device=a.device)[None] > first[:, None]
+    assert (a[after] == PAD).all()
 
 
 def test_in_place_weight_update_is_seen_without_recapture():

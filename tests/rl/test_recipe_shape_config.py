@@ -46,3 +46,36 @@ def test_even_tokens_reward_counts_until_eos():
     # without eos every token counts, and no sampled id is ever the eos id
     no_eos = EvenTokensTask(IdTokenizer(50, eos=False), prompt_len=5)
     assert no_eos.rewards(responses, [""] * 3).tolist() == pytest.approx([4 / 6, 5 / 6, 4 / 6])
+
+
+def test_stop_every_and_prompt_lengths_make_ragged_batches():
+    tok = IdTokenizer(50, stop_every=16)
+    assert tok.stop_tokens == (1, 17, 33, 49) and tok.eos_id == 1
+    task = EvenTokensTask(tok, prompt_len=8, min_prompt_len=3, seed=1)
+    prompts, _ = task.sample_prompts(40)
+    lengths = (prompts != tok.pad_id).sum(1)
+    assert prompts.shape == (40, 8) and lengths.min() == 3 and lengths.max() == 8
+    for row, n in zip(prompts, lengths):  # left-padded, bos first, then ordinary ids
+        assert (row[:8 - n] == 0).all() and row[8 - n] == 2 and (row[9 - n:] >= 3).all()
+    # any stop id ends the counted tokens
+    responses = torch.tensor([[4, 6, 17, 8], [33, 4, 4, 4]])
+    assert task.rewards(responses, [""] * 2).tolist() == pytest.approx([1.0, 0.0])
+    for bad in (dict(stop_every=2), dict(stop_every=50), dict(eos=False, stop_every=16)):
+        with pytest.raises(ValueError, match="stop_every"):
+            IdTokenizer(50, **bad)
+    with pytest.raises(ValueError, match="min_prompt_len=9"):
+        EvenTokensTask(tok, prompt_len=8, min_prompt_len=9)
+
+
+def test_shrunk_ragged_config_runs_both_ways_and_agrees(tmp_path):
+    # the ragged step config: prompts of drawn lengths, responses that stop at any of 1/8 ids
+    config = ROOT / "recipes" / "configs" / "qwen3_8b_shaped_ragged.yaml"
+    tiny = {**TINY, "tokenizer.stop_every": 8, "task.min_prompt_len": 10,
+            "max_generated_tokens": 12}
+    on = run_recipe(tmp_path, "on", config, **tiny)
+    off = run_recipe(tmp_path, "off", config, **tiny, **{"dualkv.enabled": False})
+    lengths = [h["response_length"] for h in on.history]
+    assert any(0 < n < 12 for n in lengths), lengths  # responses stop early
+    for a, b in zip(on.history, off.history):
+        for key in ("loss", "kl", "grad_norm", "response_logprob", "response_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)

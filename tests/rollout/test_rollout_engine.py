@@ -128,6 +128,22 @@ def test_stop_token_pads_the_rest_and_ends_early():
     assert engine.stats["decode_steps"] == 4 * -(-last_stop // 4) < 39
 
 
+def test_several_stop_tokens_end_a_row_at_the_first_of_them():
+    # a vocabulary of 12 with stop ids 1 and 5 (a generation config's eos list)
+    model, prompts = model_of("qwen3", seed=4, vocab=12), ragged_prompts(groups=2, vocab=12)
+    kw = dict(samples=4, max_generated_tokens=30, pad_id=PAD, stop_token=[5, EOS],
+              temperature=3.0)
+    ours = RolloutEngine(model, steps_per_graph=4).generate(
+        prompts, **kw, rng=torch.Generator().manual_seed(5))
+    theirs = reference_generate(model, prompts, **kw, rng=torch.Generator().manual_seed(5))
+    assert torch.equal(ours, theirs)
+    is_stop = (ours == EOS) | (ours == 5)
+    first = [row.nonzero()[0].item() for row in is_stop]
+    assert {int(ours[i, at]) for i, at in enumerate(first)} == {EOS, 5}  # both ids end rows
+    for row, at in zip(ours, first):
+        assert (row[at + 1:] == PAD).all()
+
+
 def test_weights_updated_in_place_are_seen():
     model, prompts = model_of("qwen3", seed=4), ragged_prompts(groups=2)
     engine = RolloutEngine(model)
@@ -177,6 +193,9 @@ def test_prompt_buckets_waste_under_a_quarter():
     (dict(max_generated_tokens=200), "context of 128"),
     (dict(samples=0), "samples=0"),
     (dict(stop_token=VOCAB), f"stop_token={VOCAB}"),
+    (dict(stop_token=[EOS, -3]), r"stop_token=\[1, -3\]"),
+    (dict(stop_token=[]), r"stop_token=\[\] names no token"),
+    (dict(stop_token=True), "stop_token=True"),
 ])
 def test_bad_arguments_are_named(kw, match):
     args = dict(samples=2, max_generated_tokens=4, pad_id=PAD) | kw
