@@ -74,7 +74,9 @@ class EvenTokensTask(SeededTask):
         return prompts, [""] * n
 
     def rewards(self, responses: Tensor, answers: list[str]) -> Tensor:
-        is_eos = torch.isin(responses, torch.tensor(self.tokenizer.stop_tokens, dtype=responses.dtype))
+        stops = torch.tensor(self.tokenizer.stop_tokens, dtype=responses.dtype,
+                             device=responses.device)
+        is_eos = torch.isin(responses, stops)
         valid = ((is_eos.cumsum(1) - is_eos.long()) == 0) & ~is_eos
         even = (responses % 2 == 0) & valid
         return (even.sum(1) / valid.sum(1).clamp_min(1)).float().cpu()
