@@ -91,7 +91,8 @@ class GRPORecipe:
         ddp.shard_decoder(self.ref_model, reshard_after_forward=reshard)
         dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback,
                                attention_backend=cfg.dualkv.get("attention_backend", "auto"),
-                               bucket_growth=float(cfg.dualkv.get("bucket_growth", 1.0)))
+                               bucket_growth=float(cfg.dualkv.get("bucket_growth", 1.0)),
+                               compile_region=cfg.dualkv.get("compile_region", "auto"))
         # the rollout reads the live weights; sharing the prompt K/V follows dualkv.enabled
         # unless `rollout_share_prompt` says otherwise (off: the prompt K/V replicated per row,
         # as a decoder without cascade attention holds it)

@@ -74,8 +74,11 @@ def test_shrunk_ragged_config_runs_both_ways_and_agrees(tmp_path):
             "max_generated_tokens": 12}
     on = run_recipe(tmp_path, "on", config, **tiny)
     off = run_recipe(tmp_path, "off", config, **tiny, **{"dualkv.enabled": False})
+    layer = run_recipe(tmp_path, "layer", config, **tiny, **{"dualkv.compile_region": "layer"})
+    assert layer.policy.compile_region() == "layer"
     lengths = [h["response_length"] for h in on.history]
     assert any(0 < n < 12 for n in lengths), lengths  # responses stop early
-    for a, b in zip(on.history, off.history):
-        for key in ("loss", "kl", "grad_norm", "response_logprob", "response_length"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    for other in (off, layer):
+        for a, b in zip(on.history, other.history):
+            for key in ("loss", "kl", "grad_norm", "response_logprob", "response_length"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
