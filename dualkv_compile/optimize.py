@@ -25,6 +25,7 @@ from .layout.packing import PackedBatch, _as_int, as_padding_mask, pack
 from .numerics import accumulation_dtype
 from .recompiles import bounded_recompiles
 from .stats import counters
+from .wrapper_checks import check_device, check_shareable
 
 __all__ = ["optimize", "DualKVModel"]
 
@@ -36,25 +37,31 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 256
 
 
-def optimize(model: nn.Module, config: DualKVConfig | None = None) -> "DualKVModel":
+def optimize(model: nn.Module, config: DualKVConfig | None = None, *,
+             share_compiles_with: "DualKVModel | None" = None) -> "DualKVModel":
     """Wrap `model` (torchtune TransformerDecoder or a transformers causal LM using SDPA) so that
-    each shared prompt is computed once. See docs/api.md."""
-    return DualKVModel(model, config or DualKVConfig())
+    each shared prompt is computed once. See docs/api.md.
+
+    share_compiles_with: the wrapper of another model of the same architecture and config (GRPO's
+    reference model beside the policy); its compiled graphs serve this one too, since the
+    weights are graph inputs: one compile per length bucket for both, not one each."""
+    return DualKVModel(model, config or DualKVConfig(), share_compiles_with=share_compiles_with)
 
 
-def _check_device(model: nn.Module, config: DualKVConfig) -> None:
-    """Refuse at construction a config that cannot run where the model's weights are."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    if device.type == "cuda" or not config.enabled:
-        return
-    if config.backend == "inductor":
-        raise ValueError(f"backend='inductor' cannot run this model on {device}: Inductor's "
-                         "CPU FlexAttention has no backward; use backend='auto' (aot_eager off "
-                         "CUDA) or move the model to a GPU")
-    if attention_kernel(config.attention_backend).cuda_only:
-        raise ValueError(f"attention_backend={config.attention_backend!r} is a CUDA kernel and "
-                         f"the model is on {device}; use 'auto' (the CPU reference path there)")
+def _traced(mode: str, wrapper: "DualKVModel", tokens: Tensor, positions: Tensor,
+            tables: list[Tensor]):
+    """What a "logits" or "hidden" graph traces (the wrapper is an input: wrappers that share
+    compiles trace once)."""
+    layout_anchor(tokens, positions, tables)
+    hidden = wrapper._adapter.body(wrapper.model, tokens, positions)
+    return wrapper._adapter.head(wrapper.model, hidden)
+
+
+def _traced_layer(wrapper: "DualKVModel", layer: nn.Module, hidden: Tensor, positions: Tensor,
+                  tables: list[Tensor]):
+    """What a "layer" graph traces: one decoder layer on packed hidden states."""
+    layout_anchor(hidden, positions, tables)
+    return wrapper._adapter.layer_forward(wrapper.model, layer, hidden, positions)
 
 
 def _unwrap_refusal(exc: BaseException):
@@ -70,7 +77,8 @@ def _unwrap_refusal(exc: BaseException):
 
 
 class DualKVModel(nn.Module):
-    def __init__(self, model: nn.Module, config: DualKVConfig):
+    def __init__(self, model: nn.Module, config: DualKVConfig, *,
+                 share_compiles_with: "DualKVModel | None" = None):
         super().__init__()
         if not isinstance(config, DualKVConfig):
             raise TypeError(f"config must be a DualKVConfig, got {type(config).__name__}")
@@ -78,9 +86,15 @@ class DualKVModel(nn.Module):
         self.config = config
         self._adapter = adapter_for(model)
         self._adapter.check(model)
-        _check_device(model, config)
+        check_device(model, config)
+        # compiled calls and their backends per mode; the same dicts as another wrapper's
+        # when sharing its compiles
         self._compiled: dict[str, object] = {}
         self._backends: dict[str, DualKVBackend] = {}
+        if share_compiles_with is not None:
+            check_shareable(self, share_compiles_with)
+            self._compiled = share_compiles_with._compiled
+            self._backends = share_compiles_with._backends
         self.dense_reason: str | None = None  # set when fallback="dense" took over
         self._observer = None  # handed to the backends: see DualKVBackend.observer
         self._layout_checked = False  # the FSDP layout check of the layer region ran
@@ -97,16 +111,6 @@ class DualKVModel(nn.Module):
         return self.config.enabled and self.dense_reason is None
 
     # ---- compiled packed calls ------------------------------------------------------------
-    def _traced(self, mode: str, tokens: Tensor, positions: Tensor, tables: list[Tensor]):
-        layout_anchor(tokens, positions, tables)
-        hidden = self._adapter.body(self.model, tokens, positions)
-        return self._adapter.head(self.model, hidden)
-
-    def _traced_layer(self, layer: nn.Module, hidden: Tensor, positions: Tensor,
-                      tables: list[Tensor]):
-        layout_anchor(hidden, positions, tables)
-        return self._adapter.layer_forward(self.model, layer, hidden, positions)
-
     def _compiler(self, device: torch.device) -> str:
         if self.config.backend != "auto":
             return self.config.backend
@@ -138,9 +142,9 @@ class DualKVModel(nn.Module):
                 attention_backend=self.config.attention_backend,
                 vocab_size=self._adapter.lm_head_weight(self.model).shape[0], mode=mode,
                 activation_memory_budget=self.config.activation_memory_budget)
-            self._backends[mode].observer = self._observer
             self._compiled[mode] = torch.compile(fn, backend=self._backends[mode],
                                                  fullgraph=True, dynamic=False)
+        self._backends[mode].observer = self._observer
         return self._compiled[mode]
 
     def _run_packed(self, packed: PackedBatch, mode: str) -> Tensor:
@@ -151,23 +155,23 @@ class DualKVModel(nn.Module):
             block_mask=attention_kernel(self.config.attention_backend).flex)
         if self.compile_region() == "layer":
             return self._run_layers(packed, mode, tables, template)
-        compiled = self._compiled_call(mode, functools.partial(self._traced, mode), device)
+        compiled = self._compiled_call(mode, functools.partial(_traced, mode), device)
         self._backends[mode].template = template
         with bounded_recompiles(RECOMPILE_LIMIT, f"the dualkv model ({mode} mode)"):
-            return compiled(packed.tokens, packed.positions, tables)
+            return compiled(self, packed.tokens, packed.positions, tables)
 
     def _run_layers(self, packed: PackedBatch, mode: str, tables, template) -> Tensor:
         """The layer region: one compiled graph per layer call (Dynamo reuses it for every
         layer of the same structure), each between that layer's FSDP hooks."""
         from .fsdp import run_as_forward
 
-        compiled = self._compiled_call("layer", self._traced_layer, packed.tokens.device)
+        compiled = self._compiled_call("layer", _traced_layer, packed.tokens.device)
         self._backends["layer"].template = template
         model, adapter = self.model, self._adapter
         hidden = adapter.embed(model, packed.tokens)
         with bounded_recompiles(RECOMPILE_LIMIT, "the dualkv layer region"):
             for layer in adapter.layers(model):
-                hidden = run_as_forward(layer, functools.partial(compiled, layer), hidden,
+                hidden = run_as_forward(layer, functools.partial(compiled, self, layer), hidden,
                                         packed.positions, tables)
         hidden = adapter.final_norm(model, hidden)
         return adapter.head(model, hidden) if mode == "logits" else hidden

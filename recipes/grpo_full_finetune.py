@@ -19,7 +19,6 @@ optimize() drives the FSDP hooks layer by layer (compile_region "auto" -> "layer
 
 from __future__ import annotations
 
-import copy
 import gc
 import resource
 import sys
@@ -80,12 +79,13 @@ class GRPORecipe:
         if self.checkpointer is not None:
             self.model.load_state_dict(self.checkpointer.load_checkpoint()["model"], strict=True)
         self.model.to(device=self.device, dtype=self.dtype)
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.ref_model = ddp.reference_copy(self.model)  # shaped like the policy: shared compiles
         if cfg.get("enable_activation_checkpointing", False):
             # per-layer checkpointing (torchtune's, or transformers' own); optimize() inlines the
             # checkpointed layers and recomputes them in the backward, except the shared-prefix
             # attention (docs/api.md)
             ddp.checkpoint_layers(self.model)
+            ddp.checkpoint_layers(self.ref_model)
         reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
         ddp.shard_decoder(self.model, reshard_after_forward=reshard)
         ddp.shard_decoder(self.ref_model, reshard_after_forward=reshard)
@@ -101,7 +101,7 @@ class GRPORecipe:
             self.model, share_prompt=bool(cfg.dualkv.enabled) if share is None else bool(share),
             steps_per_graph=int(cfg.get("rollout_steps_per_graph", 16)))
         self.policy = dk.optimize(self.model, dcfg)
-        self.reference = dk.optimize(self.ref_model, dcfg)
+        self.reference = dk.optimize(self.ref_model, dcfg, share_compiles_with=self.policy)
         self.loss_fn = config.instantiate(cfg.loss)
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         # sampling differs per rank; the task's prompt order is shared (see _sample_prompts)

@@ -4,14 +4,18 @@ collectives are no-ops, so the recipe has one code path."""
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["init_distributed", "checkpoint_layers", "shard_decoder", "world", "all_sum", "all_max",
-           "full_state_dicts", "load_full_state_dicts", "gather_objects"]
+__all__ = ["init_distributed", "checkpoint_layers", "reference_copy", "shard_decoder", "world",
+           "all_sum", "all_max", "full_state_dicts", "load_full_state_dicts", "gather_objects"]
+
+log = logging.getLogger(__name__)
 
 
 def init_distributed(device: str) -> torch.device:
@@ -36,6 +40,34 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    """Any dropout that train mode would apply: nn.Dropout modules, or the attention dropout
+    rates torchtune (attn_dropout) and transformers (attention_dropout) keep as numbers."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for name in ("attn_dropout", "attention_dropout"):
+            rate = getattr(m, name, 0.0)
+            if isinstance(rate, (int, float)) and rate > 0:
+                return True
+    return False
+
+
+def reference_copy(model: nn.Module) -> nn.Module:
+    """GRPO's frozen reference model: a copy of `model`, taken before checkpointing and sharding
+    (apply those to both). It keeps the policy's train mode and requires_grad flags, which
+    Dynamo guards on, so that optimize(ref, ..., share_compiles_with=policy) reuses the
+    policy's compiled graphs; it is only called under no_grad and is in no optimizer. A model
+    with dropout gets an eval-mode, requires_grad=False copy instead (dropout must not touch
+    the reference), which then compiles graphs of its own (logged)."""
+    ref = copy.deepcopy(model)
+    if _has_dropout(model):
+        log.warning("the reference model runs in eval mode (the model has dropout) and compiles "
+                    "its own graphs instead of sharing the policy's")
+        return ref.eval().requires_grad_(False)
+    return ref
 
 
 def checkpoint_layers(model: nn.Module) -> None:

@@ -23,6 +23,9 @@ def test_shrunk_shape_config_runs_both_ways_and_agrees(tmp_path):
     on = run(tmp_path, "on")
     off = run(tmp_path, "off", **{"dualkv.enabled": False})
     assert on.policy.uses_dualkv and not off.policy.uses_dualkv
+    # one length bucket: the policy's and the reference's no-grad logprobs share one graph
+    # (share_compiles_with), the loss with grad is the other
+    assert [h["compiles"] for h in on.history] == [2, 2]
     # the rollout shares the prompt K/V with dualkv on, replicates it per row with it off
     assert on.rollout_engine.share_prompt and not off.rollout_engine.share_prompt
     for a, b in zip(on.history, off.history):
