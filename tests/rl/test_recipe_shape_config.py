@@ -3,6 +3,8 @@ on and off agree, and responses run to max_generated_tokens as the config promis
 
 import pytest
 import torch
+
+import dualkv_compile as dk
 from dualkv_compile.rl import EvenTokensTask, IdTokenizer
 from recipe_helpers import ROOT
 from recipe_helpers import run as run_recipe
@@ -20,6 +22,7 @@ def run(tmp_path, name, **extra):
 
 
 def test_shrunk_shape_config_runs_both_ways_and_agrees(tmp_path):
+    dk.counters.clear()  # the recipe logs the process's count
     on = run(tmp_path, "on")
     off = run(tmp_path, "off", **{"dualkv.enabled": False})
     assert on.policy.uses_dualkv and not off.policy.uses_dualkv
