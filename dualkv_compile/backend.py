@@ -41,7 +41,8 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class DualKVBackend:
-    """One per (wrapper, mode). Modes: "logits" and "hidden" trace the whole model (the
+    """One per mode of a wrapper (or of wrappers sharing compiles: optimize's
+    share_compiles_with). Modes: "logits" and "hidden" trace the whole model (the
     latter with the LM head cut away), "layer" one decoder layer on packed hidden states
     (compile_region="layer"). `template` (the BlockMask's as_tuple) is set before each call."""
 

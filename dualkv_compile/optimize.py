@@ -87,14 +87,14 @@ class DualKVModel(nn.Module):
         self._adapter = adapter_for(model)
         self._adapter.check(model)
         check_device(model, config)
-        # compiled calls and their backends per mode; the same dicts as another wrapper's
-        # when sharing its compiles
+        # compiled calls and their backends per mode: the same dicts as another wrapper's when
+        # sharing its compiles
         self._compiled: dict[str, object] = {}
         self._backends: dict[str, DualKVBackend] = {}
         if share_compiles_with is not None:
             check_shareable(self, share_compiles_with)
-            self._compiled = share_compiles_with._compiled
-            self._backends = share_compiles_with._backends
+            self._compiled, self._backends = share_compiles_with._compiled, \
+                share_compiles_with._backends
         self.dense_reason: str | None = None  # set when fallback="dense" took over
         self._observer = None  # handed to the backends: see DualKVBackend.observer
         self._layout_checked = False  # the FSDP layout check of the layer region ran

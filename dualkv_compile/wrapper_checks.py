@@ -36,6 +36,10 @@ def check_shareable(wrapper, other) -> None:
     if other.config != wrapper.config:
         raise ValueError(f"share_compiles_with: the configs differ ({wrapper.config} against "
                          f"{other.config})")
+    mine, theirs = (next(w.model.parameters(), torch.empty(0)).device for w in (wrapper, other))
+    if mine != theirs:
+        raise ValueError(f"share_compiles_with: the models are on {mine} and {theirs}; the graphs "
+                         "are compiled for one device")
     if type(other.model) is not type(wrapper.model):
         raise ValueError(f"share_compiles_with: a {type(wrapper.model).__name__} cannot share "
                          f"the compiled graphs of a {type(other.model).__name__}")

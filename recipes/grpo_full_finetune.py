@@ -156,8 +156,8 @@ class GRPORecipe:
     # ---- rollouts ----------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, prompts: torch.Tensor):
-        """prompts [G, P] -> tokens [G*N, P+T], padding mask, response lengths (eos included).
-        Each prompt is prefilled once for its N samples (dualkv_compile.rollout)."""
+        """prompts [G, P] -> tokens [G*N, P+T], padding mask, response lengths (the stop token
+        included). Each prompt is prefilled once for its N samples (dualkv_compile.rollout)."""
         cfg, tok = self.cfg, self.tokenizer
         prompts = prompts.to(self.device)
         n = cfg.group_size
@@ -165,13 +165,13 @@ class GRPORecipe:
         parts = self._generate_all(prompts, calls)
         response = torch.cat(parts)
         batch = prompts.repeat_interleave(n, 0)
-        is_eos = torch.isin(response, torch.tensor(tok.stop_tokens, device=response.device,
-                                                   dtype=response.dtype))
-        # valid: everything up to and including the first eos
-        before_eos = (is_eos.cumsum(1) - is_eos.long()) == 0
-        lengths = before_eos.sum(1)
+        is_stop = torch.isin(response, torch.tensor(tok.stop_tokens, device=response.device,
+                                                    dtype=response.dtype))
+        # valid: everything up to and including the first stop token
+        before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0
+        lengths = before_stop.sum(1)
         tokens = torch.cat([batch, response], 1)
-        mask = torch.cat([batch != tok.pad_id, before_eos], 1)  # prompts may be left-padded
+        mask = torch.cat([batch != tok.pad_id, before_stop], 1)  # prompts may be left-padded
         return torch.where(mask, tokens, tok.pad_id), mask, lengths
 
     def _generate(self, prompts: torch.Tensor, samples: int) -> torch.Tensor:

@@ -64,6 +64,8 @@ def test_sharing_with_another_architecture_or_config_is_refused():
         dk.optimize(tiny_model("hf_qwen3"), share_compiles_with=wp)
     with pytest.raises(ValueError, match=r"parameter .* differs"):
         dk.optimize(tiny_model("qwen2_5", dim=64), share_compiles_with=wp)
+    with pytest.raises(ValueError, match="the models are on meta and cpu"):
+        dk.optimize(copy.deepcopy(policy).to("meta"), share_compiles_with=wp)
     with pytest.raises(TypeError, match="must be a DualKVModel"):
         dk.optimize(copy.deepcopy(policy), share_compiles_with=policy)
 
@@ -80,3 +82,5 @@ def test_the_recipes_reference_copy_mirrors_the_policy_unless_it_has_dropout(cap
         ref = reference_copy(model)
     assert not ref.training and not any(q.requires_grad for q in ref.parameters())
     assert "eval mode (the model has dropout)" in caplog.text
+    eval_copy = reference_copy(model.eval())  # eval mode runs no dropout: mirrored as it is
+    assert not eval_copy.training and all(q.requires_grad for q in eval_copy.parameters())

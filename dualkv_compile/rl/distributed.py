@@ -61,9 +61,9 @@ def reference_copy(model: nn.Module) -> nn.Module:
     Dynamo guards on, so that optimize(ref, ..., share_compiles_with=policy) reuses the
     policy's compiled graphs; it is only called under no_grad and is in no optimizer. A model
     with dropout gets an eval-mode, requires_grad=False copy instead (dropout must not touch
-    the reference), which then compiles graphs of its own (logged)."""
+    the reference) when the model trains, which then compiles graphs of its own (logged)."""
     ref = copy.deepcopy(model)
-    if _has_dropout(model):
+    if model.training and _has_dropout(model):
         log.warning("the reference model runs in eval mode (the model has dropout) and compiles "
                     "its own graphs instead of sharing the policy's")
         return ref.eval().requires_grad_(False)

@@ -20,7 +20,9 @@ class HFTokenizer:
         if self._tok.eos_token_id is None:
             raise ValueError(f"the tokenizer in {path} has no eos token")
         self.eos_id = self._tok.eos_token_id
-        self.stop_tokens = (self.eos_id,)  # the ids that end a response
+        # the ids that end a response: the eos token and a generation config's eos list (an
+        # instruct model's end-of-turn token is often only there)
+        self.stop_tokens = tuple(sorted({self.eos_id, *_generation_eos_ids(Path(path))}))
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = self._tok.bos_token_id
 
@@ -33,7 +35,19 @@ class HFTokenizer:
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids) -> str:
+        """The text up to the first stop token."""
         ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
+        stops = [at for at, i in enumerate(ids) if i in self.stop_tokens]
+        if stops:
+            ids = ids[: stops[0]]
         return self._tok.decode([i for i in ids if i != self.pad_id], skip_special_tokens=True)
+
+
+def _generation_eos_ids(path) -> list[int]:
+    """generation_config.json's eos_token_id (one id or a list), if the directory has one."""
+    if not (path / "generation_config.json").is_file():
+        return []
+    from transformers import GenerationConfig
+
+    ids = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)

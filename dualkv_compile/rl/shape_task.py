@@ -76,7 +76,7 @@ class EvenTokensTask(SeededTask):
     def rewards(self, responses: Tensor, answers: list[str]) -> Tensor:
         stops = torch.tensor(self.tokenizer.stop_tokens, dtype=responses.dtype,
                              device=responses.device)
-        is_eos = torch.isin(responses, stops)
-        valid = ((is_eos.cumsum(1) - is_eos.long()) == 0) & ~is_eos
+        is_stop = torch.isin(responses, stops)
+        valid = ((is_stop.cumsum(1) - is_stop.long()) == 0) & ~is_stop
         even = (responses % 2 == 0) & valid
         return (even.sum(1) / valid.sum(1).clamp_min(1)).float().cpu()

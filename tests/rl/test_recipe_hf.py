@@ -103,6 +103,19 @@ def test_math_reward_and_padding(checkpoint):
     assert final_number("a 1,200.0 b") == "1200" and final_number("none") is None
 
 
+def test_a_generation_configs_eos_list_stops_responses(checkpoint):
+    import json
+
+    folder, _ = checkpoint
+    tok = HFTokenizer(str(folder))
+    end_of_turn = tok.encode("z", add_bos=False)[0]  # any ordinary id stands in for it
+    (folder / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [tok.eos_id, end_of_turn]}))
+    tok = HFTokenizer(str(folder))
+    assert tok.stop_tokens == tuple(sorted({tok.eos_id, end_of_turn}))
+    assert tok.decode(tok.encode("abzcd", add_bos=False)) == "ab"
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer directory"):
         HFTokenizer(str(tmp_path / "nope"))
