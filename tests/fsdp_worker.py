@@ -2,6 +2,7 @@
 torchtune decoders, fp64, against the unsharded model row by row. Prints one JSON line per case
 on rank 0."""
 
+import copy
 import gc
 import json
 
@@ -65,6 +66,45 @@ def run_case(name, family="qwen2_5", checkpointed=False, per_layer=True, enabled
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     result.update(logprob_err=errors[0].item(), no_grad_err=errors[1].item(),
                   grad_err=errors[2].item(), region=wrapper.compile_region(),
+                  counters=dict(dk.counters))
+    return result
+
+
+def shared_reference_case():
+    """A sharded reference model with other weights shares the sharded policy's compiled
+    graphs (optimize's share_compiles_with), each exact against its unsharded twin."""
+    rank = dist.get_rank()
+    dk.counters.clear()
+    torch._dynamo.reset()
+    policy, policy_plain = model_pair("qwen2_5", False)
+    ref_plain = copy.deepcopy(policy_plain)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for q in ref_plain.parameters():
+            q.add_(0.05 * torch.randn(q.shape, generator=g, dtype=q.dtype))
+    ref = copy.deepcopy(ref_plain)
+    for model in (policy, ref):
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    tokens, mask, p = make_batch([9, 5], [[6, 0, 11], [3, 3]], shuffle=True, vocab=99,
+                                 generator=torch.Generator().manual_seed(rank))
+    tokens = tokens % 101
+    wp = dk.optimize(policy)
+    wr = dk.optimize(ref, share_compiles_with=wp)
+    result = {"case": "shared_reference"}
+    try:
+        with torch.no_grad():
+            lp = wp.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+            lr = wr.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    except Exception as exc:  # reported to the test, which decides
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+    errors = torch.tensor([rel_err(lp, row_by_row_response_logprobs(policy_plain, tokens, mask, p)),
+                           rel_err(lr, row_by_row_response_logprobs(ref_plain, tokens, mask, p))],
+                          dtype=torch.float64)
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    result.update(policy_err=errors[0].item(), ref_err=errors[1].item(),
                   counters=dict(dk.counters))
     return result
 
@@ -191,6 +231,7 @@ def main():
         run_case("root_only", per_layer=False),
         run_case("disabled", enabled=False),
         run_case("model_region", region="model"),
+        shared_reference_case(),
         rollout_case(),
         micro_batch_case(),
     ]

@@ -1,7 +1,8 @@
 """optimize() on FSDP2-sharded models: two CPU processes (gloo) under torchrun run
 tests/fsdp_worker.py; fp64 logprobs (with and without grad) and the gathered gradients of two
-accumulated micro-batches match the unsharded model row by row; the rollout engine samples the
-unsharded model's tokens and gathers the weights once per rollout."""
+accumulated micro-batches match the unsharded model row by row; a sharded reference model shares
+the policy's compiled graphs; the rollout engine samples the unsharded model's tokens and gathers
+the weights once per rollout."""
 
 import json
 import os
@@ -49,6 +50,13 @@ def test_disabled_wrapper_runs_the_sharded_model(cases):
 
 def test_model_region_refuses_a_sharded_model(cases):
     assert "compile_region='model' cannot drive an FSDP2-sharded model" in cases["model_region"]["error"]
+
+
+def test_a_sharded_reference_shares_the_policys_graphs(cases):
+    case = cases["shared_reference"]
+    assert "error" not in case, case["error"]
+    assert case["policy_err"] < TOL and case["ref_err"] < TOL, case
+    assert case["counters"]["graphs_compiled"] == 1, case["counters"]  # one no-grad layer graph
 
 
 def test_rollout_engine_gathers_the_weights_once_per_rollout(cases):
