@@ -37,6 +37,7 @@ from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.recipe_config import parse_checked
 from dualkv_compile.rl.run_guard import StopOnSignal, check_output_dir, load_checkpoint
 from dualkv_compile.rollout import RolloutEngine, plan_calls
+from dualkv_compile.rollout.sampling import stop_mask
 from dualkv_compile.rollout.weights import gathered_weights
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -165,8 +166,7 @@ class GRPORecipe:
         parts = self._generate_all(prompts, calls)
         response = torch.cat(parts)
         batch = prompts.repeat_interleave(n, 0)
-        is_stop = torch.isin(response, torch.tensor(tok.stop_tokens, device=response.device,
-                                                    dtype=response.dtype))
+        is_stop = stop_mask(response, tuple(tok.stop_tokens))
         # valid: everything up to and including the first stop token
         before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0
         lengths = before_stop.sum(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..rollout.sampling import stop_mask
 from .tasks import SeededTask
 
 __all__ = ["IdTokenizer", "EvenTokensTask"]
@@ -74,9 +75,7 @@ class EvenTokensTask(SeededTask):
         return prompts, [""] * n
 
     def rewards(self, responses: Tensor, answers: list[str]) -> Tensor:
-        stops = torch.tensor(self.tokenizer.stop_tokens, dtype=responses.dtype,
-                             device=responses.device)
-        is_stop = torch.isin(responses, stops)
+        is_stop = stop_mask(responses, tuple(self.tokenizer.stop_tokens))
         valid = ((is_stop.cumsum(1) - is_stop.long()) == 0) & ~is_stop
         even = (responses % 2 == 0) & valid
         return (even.sum(1) / valid.sum(1).clamp_min(1)).float().cpu()

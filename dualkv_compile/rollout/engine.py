@@ -30,7 +30,7 @@ from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
 from .graphs import StepGraph, warm_up, weights_fingerprint
-from .sampling import SamplingParams, draw_noise, is_stop, sample, stop_ids
+from .sampling import SamplingParams, draw_noise, sample, stop_ids, stop_mask
 from .step import make_decode_step, prefill
 from .weights import gathered_weights
 
@@ -143,7 +143,7 @@ class RolloutEngine:
             c.logprobs[:, 0] = (logits / temperature).log_softmax(-1).gather(
                 1, first[:, None])[:, 0]
             if stops:
-                c.done.copy_(is_stop(first, stops))
+                c.done.copy_(stop_mask(first, stops))
             self._decode(ws, t - 1, bool(stops), gen)
             if gen is not rng:
                 source.set_state(gen.get_state())

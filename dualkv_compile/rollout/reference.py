@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, is_stop, sample, stop_ids
+from .sampling import SamplingParams, sample, stop_ids, stop_mask
 
 __all__ = ["reference_generate"]
 
@@ -48,7 +48,7 @@ def reference_generate(model, prompts: Tensor, *, samples: int, max_generated_to
         token = torch.where(done, pad_id, sample(logits, noise, params))
         out.append(token)
         if stops:
-            done |= is_stop(token, stops)
+            done |= stop_mask(token, stops)
         tokens = torch.cat([tokens, token[:, None]], 1)
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], 1)
     return torch.stack(out, 1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "draw_noise", "is_stop", "sample", "stop_ids", "stop_table"]
+__all__ = ["SamplingParams", "draw_noise", "sample", "stop_ids", "stop_mask", "stop_table"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,9 @@ def stop_ids(stop_token, vocab: int | None = None) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-def is_stop(token: Tensor, stops: tuple[int, ...]) -> Tensor:
-    """tokens [rows] -> [rows] bool: the token is one of `stops` (eager; a compiled step
-    indexes `stop_table` instead, which creates no tensor)."""
+def stop_mask(token: Tensor, stops: tuple[int, ...]) -> Tensor:
+    """tokens (any shape) -> bool of that shape: the token is one of `stops` (none: all False).
+    Eager; a compiled step indexes `stop_table` instead, which creates no tensor."""
     return torch.isin(token, torch.tensor(stops, dtype=token.dtype, device=token.device))
 
 
