@@ -54,12 +54,12 @@ def pass_uuid(*paths: str) -> str:
 
 @functools.cache
 def regions_ops() -> frozenset:
-    """The opaque attention ops the rewrite may insert instead of flex: the regions op
-    (regions.py) and the flash-regions op (flash_regions.py)."""
-    from dualkv_compile.attention.flash_regions import flash_regions_attention_op
-    from dualkv_compile.attention.region_ops import regions_attention_op
+    """The opaque attention ops the rewrite may insert instead of flex: every registry kernel
+    that is not flex (regions.py, flash_regions.py, flash_varlen.py)."""
+    import dualkv_compile.attention.op  # noqa: F401  (registers the ops)
+    from dualkv_compile.attention.registry import KERNELS
 
-    return frozenset({regions_attention_op._opoverload, flash_regions_attention_op._opoverload})
+    return frozenset(k.graph_op().default for k in KERNELS.values() if not k.flex)
 
 
 @functools.cache
