@@ -32,9 +32,7 @@ class DualKVConfig:
         "triton", "regions" (no flex: dense cuDNN calls over the two KV regions, merged by
         log-sum-exp; regions.py; also on CPU with PyTorch's CPU flash kernel), or
         "flash_regions" (the same with flash-attn-4's dense kernels, two calls per layer;
-        flash_regions.py; explicit math on CPU), or "flash_varlen" (flash-attn-4's varlen
-        causal kernel, one call per layer, each response a row of keys [its prompt; itself];
-        flash_varlen.py; explicit math on CPU).
+        flash_regions.py; explicit math on CPU).
     kernel_options: FlexAttention kernel options over the architecture's table (validated).
     backend: "auto" (Inductor on CUDA, aot_eager elsewhere, since Inductor's CPU flex has no
         backward), "inductor", "aot_eager" or "eager".

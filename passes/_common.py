@@ -55,7 +55,7 @@ def pass_uuid(*paths: str) -> str:
 @functools.cache
 def regions_ops() -> frozenset:
     """The opaque attention ops the rewrite may insert instead of flex: every registry kernel
-    that is not flex (regions.py, flash_regions.py, flash_varlen.py)."""
+    that is not flex (regions.py, flash_regions.py)."""
     import dualkv_compile.attention.op  # noqa: F401  (registers the ops)
     from dualkv_compile.attention.registry import KERNELS
 

@@ -5,8 +5,8 @@ model computed from positions and shapes alone (transformers builds one from pos
 Masks that depend on token data or parameters, dropout, or a batch other than 1 are refused.
 The replacement is the flex_attention higher-order op with the packed layout's BlockMask, whose
 tensors (and the 1-D segment tables its mask_mod reads) come from the layout anchor's inputs;
-with a region kernel ("regions", "flash_regions", "flash_varlen"), that kernel's opaque op
-(torch.ops.dualkv.regions_attention, regions.py; flash_regions_attention; flash_varlen_attention),
+with a region kernel ("regions", "flash_regions"), that kernel's opaque op
+(torch.ops.dualkv.regions_attention, regions.py; flash_regions_attention, flash_regions.py),
 which reads the segment tables only.
 The model's own mask computation becomes dead and is removed.
 """
@@ -266,8 +266,7 @@ def _replace(node: fx.Node, out: fx.Node) -> None:
 def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
                 backend: str) -> None:
     """SDPA -> the region kernel's opaque op (torch.ops.dualkv.regions_attention, regions.py;
-    flash_regions_attention, flash_regions.py; flash_varlen_attention, flash_varlen.py), fed
-    the 1-D segment tables."""
+    flash_regions_attention, flash_regions.py), fed the 1-D segment tables."""
     kernel = attention_kernel(backend)
     op = kernel.graph_op()
     for node in sdpa_nodes:

@@ -333,7 +333,7 @@ class _Proof(IndexingRules):
 
 def _is_attention(node: fx.Node) -> bool:
     """The rewritten attention: the flex_attention HOP, or a region kernel's op (regions.py,
-    flash_regions.py, flash_varlen.py)."""
+    flash_regions.py)."""
     if node.op != "call_function":
         return False
     return getattr(node.target, "__name__", "") == "flex_attention" or node.target in regions_ops()

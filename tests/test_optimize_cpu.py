@@ -35,13 +35,12 @@ def fresh_counters():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("attention_backend", ["auto", "regions", "flash_regions", "flash_varlen"])
+@pytest.mark.parametrize("attention_backend", ["auto", "regions", "flash_regions"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backend):
     """"auto" on CPU: the flex higher-order op's dense math; "regions": the opaque regions op
     (regions.py) with PyTorch's CPU flash kernel, partitioned by AOTAutograd; "flash_regions":
-    its op (flash_regions.py) with the explicit math that stands in for FA4 on CPU;
-    "flash_varlen" likewise (flash_varlen.py)."""
+    its op (flash_regions.py) with the explicit math that stands in for FA4 on CPU."""
     model = same_dtype_numerics(tiny_model(family)).double()
     tokens, mask, p = mixed_batch()
     wrapper = dk.optimize(model, dk.DualKVConfig(attention_backend=attention_backend))
@@ -82,8 +81,7 @@ def test_logits_logprobs_and_gradients_match_row_by_row(family, attention_backen
     assert dk.counters["position_tables_materialized"] == 2 * stored
     targets = [str(n.target) for n in wrapper._backends["hidden"].last_graph.graph.nodes]
     kernel = {"regions": "dualkv.regions_attention",
-              "flash_regions": "dualkv.flash_regions_attention",
-              "flash_varlen": "dualkv.flash_varlen_attention"}.get(attention_backend,
+              "flash_regions": "dualkv.flash_regions_attention"}.get(attention_backend,
                                                                    "flex_attention")
     assert sum(kernel in t for t in targets) == 2, targets
 

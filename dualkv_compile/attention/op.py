@@ -23,7 +23,6 @@ from ..recompiles import bounded_recompiles
 from ..reference import reference_shared_prefix_attention
 from ..stats import counters, log_once
 from . import flash_regions  # noqa: F401  (registers torch.ops.dualkv.flash_regions_attention)
-from . import flash_varlen  # noqa: F401  (registers torch.ops.dualkv.flash_varlen_attention)
 from .block_mask import shared_prefix_block_mask
 from .flash_causal import block_aligned, flash_causal_attention
 from .kernel_options import kernel_options_for

@@ -89,13 +89,6 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                                  "fastest policy update at (32, 8K, 1K), 1052 vs 1061 ms "
                                  "(60.3% useful MFU), and 0.81-0.85x vs flex FLASH's 0.75-0.84x "
                                  "on ragged layouts at 4K/1K and 8K/2K caps (H100)"),
-    AttentionKernel("flash_varlen", flex=False, cuda_only=False,
-                    op_name="flash_varlen_attention", runs_on="flash-attn-4",
-                    cuda_form="flash-attn-4's varlen causal kernel, each response a row of "
-                              "keys [its prompt; itself]",
-                    cpu_form="explicit math over the same rows, the CPU form of "
-                             "flash-attn-4's call",
-                    kept_because="to be measured on ragged layouts (H100)"),
 )}
 FLEX_KERNELS = tuple(name for name, k in KERNELS.items() if k.flex)
 

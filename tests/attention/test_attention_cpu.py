@@ -30,9 +30,8 @@ def response_lengths(kind, groups, group_size, g):
 
 # "auto" is the SDPA reference on CPU; "regions" is the two-KV-region backend (regions.py) with
 # PyTorch's CPU flash kernel, the same merge and backward code that runs cuDNN on CUDA;
-# "flash_regions" (flash_regions.py) runs the plan of its two flash-attn-4 calls with explicit math;
-# "flash_varlen" (flash_varlen.py) the plan and key gather of its one varlen call, likewise.
-BACKENDS = ["auto", "regions", "flash_regions", "flash_varlen"]
+# "flash_regions" (flash_regions.py) runs the plan of its two flash-attn-4 calls with explicit math.
+BACKENDS = ["auto", "regions", "flash_regions"]
 
 
 def check_equivalence(tokens, mask, prompt_len, hq, hkv, d, g, scale=None, backend="auto"):
@@ -193,11 +192,10 @@ def test_regions_plan_from_segment_tables_equals_the_packed_plan(layout, pad_sid
     assert _spans(from_tables) == _spans(plan_of_packed(pb, torch.device("cpu")))
 
 
-@pytest.mark.parametrize("op", ["regions_attention", "flash_regions_attention",
-                                "flash_varlen_attention"])
+@pytest.mark.parametrize("op", ["regions_attention", "flash_regions_attention"])
 def test_regions_custom_ops_match_replicated_fp64(op):
-    """The opaque ops optimize() puts in compiled graphs for attention_backend "regions",
-    "flash_regions" and "flash_varlen", called eagerly: out and gradients against the replicated rows."""
+    """The opaque ops optimize() puts in compiled graphs for attention_backend "regions" and
+    "flash_regions", called eagerly: out and gradients against the replicated rows."""
     g = torch.Generator().manual_seed(21)
     tokens, mask, p = make_batch([9, 30], [[4, 0, 17], [1, 25]], shuffle=True, generator=g)
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
@@ -313,32 +311,3 @@ def test_flash_regions_plan_refuses_a_misplaced_response():
     pre[first_response:first_response + 3] = seg[-1]
     with pytest.raises(ValueError, match="which is not the prompt before it"):
         plan_of_segments(seg, pre)
-
-
-def test_flash_varlen_plan_rows_are_prompt_then_response():
-    """Each response's keys are its group's prompt followed by itself; a prompt (and the
-    padding) is a row of its own; the queries stay the packed segments."""
-    from dualkv_compile.attention.flash_varlen import plan_of_segments
-
-    g = torch.Generator().manual_seed(29)
-    tokens, mask, p = make_batch([9, 30, 4], [[4, 0, 17], [1, 25], [0, 0]], shuffle=True,
-                                 generator=g)
-    pb = pack(tokens, prompt_len=p, padding_mask=mask)
-    plan = plan_of_segments(pb.segment_ids[0], pb.prefix_segment_ids[0])
-    rows_q, rows_k = [], []
-    for ps, pe, spans in pb.group_spans:
-        rows_q.append((ps, pe))
-        rows_k.append(list(range(ps, pe)))
-        for s, e in spans:
-            if e > s:
-                rows_q.append((s, e))
-                rows_k.append(list(range(ps, pe)) + list(range(s, e)))
-    rows_q.append(pb.padding_span)
-    rows_k.append(list(range(*pb.padding_span)))
-    assert plan.bounds_q == tuple(s for s, _ in rows_q) + (pb.seq_len,)
-    assert plan.index.tolist() == [t for keys in rows_k for t in keys]
-    lengths = [len(keys) for keys in rows_k]
-    assert plan.bounds_k == tuple(sum(lengths[:i]) for i in range(len(lengths) + 1))
-    assert plan.cu_q.dtype == plan.cu_k.dtype == torch.int32
-    assert plan.cu_q.tolist() == list(plan.bounds_q) and plan.cu_k.tolist() == list(plan.bounds_k)
-    assert plan.max_k == max(lengths) and plan.max_q == max(e - s for s, e in rows_q)

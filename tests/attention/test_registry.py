@@ -11,8 +11,7 @@ from dualkv_compile.testing import make_batch, tiny_model
 
 
 def test_every_kernel_is_a_config_choice_and_says_why_it_is_kept():
-    assert set(KERNELS) == {"auto", "flash", "triton", "regions", "flash_regions",
-                            "flash_varlen"}
+    assert set(KERNELS) == {"auto", "flash", "triton", "regions", "flash_regions"}
     for name, kernel in KERNELS.items():
         assert dk.DualKVConfig(attention_backend=name).attention_backend == name
         assert kernel.kept_because

@@ -40,8 +40,8 @@ def skip_without_flash(attention_backend):
     from dualkv_compile.attention.selection import flash_status
 
     available, reason = flash_status(torch.device("cuda"))
-    if attention_backend in ("flash_regions", "flash_varlen") and not available:
-        pytest.skip(f"{attention_backend} unavailable: {reason}")
+    if attention_backend == "flash_regions" and not available:
+        pytest.skip(f"flash_regions unavailable: {reason}")
 
 
 def batch(seed, vocab):
@@ -71,9 +71,7 @@ def enable_checkpointing(model):
                             ("hf_qwen3", False, "model", "regions"),
                             ("qwen2_5", True, "model", "regions"),
                             ("hf_qwen3", False, "model", "flash_regions"),
-                            ("qwen2_5", True, "model", "flash_regions"),
-                            ("hf_qwen3", False, "model", "flash_varlen"),
-                            ("qwen2_5", True, "layer", "flash_varlen")])
+                            ("qwen2_5", True, "model", "flash_regions")])
 @torch._inductor.config.patch(fx_graph_cache=False)  # the counters below need a real compile
 @torch._functorch.config.patch(enable_autograd_cache=False)
 def test_bf16_model_matches_plain_model(family, checkpointing, region, attention_backend):
@@ -114,8 +112,7 @@ def test_bf16_model_matches_plain_model(family, checkpointing, region, attention
 
 @pytest.mark.parametrize("family,attention_backend", [("hf_qwen3", "auto"), ("qwen2_5", "auto"),
                                                       ("hf_qwen3", "regions"),
-                                                      ("hf_qwen3", "flash_regions"),
-                                                      ("hf_qwen3", "flash_varlen")])
+                                                      ("hf_qwen3", "flash_regions")])
 def test_bf16_response_loss_matches_plain_model(family, attention_backend):
     # the same GRPO-style loss fused into the LM head (response_loss): gradients against the
     # fp32 model row by row, at most twice the plain bf16 model's error
