@@ -15,9 +15,11 @@ prompt's length has no valid key: its log-sum-exp is -inf, its output 0, its mer
 Two implementations with one meaning:
 - "math": explicit einsum + masked softmax in float32 (float64 stays float64); the reference
   the tests hold the other to, and the CPU path.
-- "flex": FlexAttention with the lengths as score_mods (no BlockMask), lowered by Inductor
-  (its decoding kernel) inside the compiled step; CUDA only, and the default there (the faster
-  of the two: docs/performance.md, "Rollout").
+- "flex": FlexAttention for the prompt region, with the lengths as score_mods (no BlockMask),
+  lowered by Inductor (its decoding kernel) inside the compiled step; the response region and
+  both merges in one Triton kernel that reads the response keys only up to the step
+  (response_kernel.py; where it cannot run, a second flex call and Inductor's merges). CUDA
+  only, and the default there (the faster of the two: docs/performance.md, "Rollout").
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from ..attention.merge import merge_partials
 from ..numerics import accumulation_dtype
+from . import response_kernel
 
 __all__ = ["decode_attention", "split_lengths", "IMPLEMENTATIONS"]
 
@@ -118,6 +121,9 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
                                   score_mod=in_prompt, scale=scale, enable_gqa=True,
                                   return_aux=AuxRequest(lse=True),
                                   kernel_options=_prompt_kernel_options(n * hq // hkv))
+    if response_kernel.supports(q, resp_k, resp_v):
+        return response_kernel.response_and_merge(q, resp_k, resp_v, last, out_p, aux_p.lse,
+                                                  scale)
     wide = accumulation_dtype(q.dtype)
     out_p, lse_p = _merge_splits(out_p.view(groups, splits, hq, n, d).to(wide),
                                  aux_p.lse.view(groups, splits, hq, n).to(wide))

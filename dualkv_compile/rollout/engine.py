@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ..recompiles import bounded_recompiles
 from ..stats import counters, log_once
+from . import response_kernel
 from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
@@ -104,6 +105,12 @@ class RolloutEngine:
         if implementation == "flex" and compiled and not on_cuda:
             raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
                              "returns no log-sum-exp); use attention='math' or compile=False")
+        if implementation == "flex":
+            fused, why = response_kernel.runs_for(self.decoder.head_dim)
+            if not fused:
+                log_once(log, logging.WARNING, f"rollout decode: the response region runs as a "
+                         f"second flex call with Inductor's merges, not the fused Triton kernel "
+                         f"(slower): {why}")
         groups, t = prompts.shape[0], max_generated_tokens
         rows = groups * samples
         capacity = prompt_bucket(pmax)

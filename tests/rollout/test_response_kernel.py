@@ -1,0 +1,59 @@
+"""The fused response-region kernel (rollout/response_kernel.py) on CPU, under Triton's
+interpreter: decode_attention(implementation="flex") with it equals dense masked softmax.
+The GPU tests (tests/gpu/test_rollout_gpu.py) run it on CUDA inside the compiled step."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECK = r"""
+import torch
+from dualkv_compile.rollout import decode_attention
+from dualkv_compile.rollout import response_kernel
+from tests.rollout.test_rollout_engine import dense_reference, split
+
+g = torch.Generator().manual_seed(0)
+groups, n, hq, hkv, d, p, r = 3, 4, 8, 2, 16, 48, 150
+x = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+q, pk, pv = x(groups * n, hq, d), x(groups, hkv, p, d), x(groups, hkv, p, d)
+rk, rv = x(groups * n, hkv, r, d), x(groups * n, hkv, r, d)
+plen = torch.tensor([48, 1, 30])  # splits past a prompt's end hold no key
+# eagerly, and as the engine runs it: compiled, fullgraph, the kernel an opaque op
+compiled = torch.compile(decode_attention, backend="aot_eager", fullgraph=True, dynamic=False)
+args = [t.float() for t in (q, split(pk, 4), split(pv, 4))]
+resp = [t.float() for t in (rk, rv)]
+assert response_kernel.supports(args[0], *resp)
+for attend in (decode_attention, compiled):
+    for last in (0, 63, 64, 149):  # one key; a block boundary either side; every key
+        got = attend(*args, plen, *resp, torch.tensor(last), scale=d ** -0.5,
+                     implementation="flex")
+        want = dense_reference(q, pk, pv, plen, rk, rv, last, d ** -0.5)
+        err = float((got.double() - want).abs().max())
+        assert err < 1e-5, (last, err)
+print("ok")
+"""
+
+
+def _interpreter_skip_reason():
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (CPU builds of torch do not bring it)"
+    major, minor = (int(x) for x in numpy.__version__.split(".")[:2])
+    if (major, minor) >= (2, 3):  # int() of a 1-element array, which its loop bounds need
+        return f"Triton's interpreter fails on numpy {numpy.__version__} (>= 2.3)"
+    return None
+
+
+@pytest.mark.skipif(_interpreter_skip_reason() is not None,
+                    reason=str(_interpreter_skip_reason()))
+def test_fused_response_kernel_equals_dense_softmax_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", CHECK], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
