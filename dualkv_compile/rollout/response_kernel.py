@@ -33,6 +33,7 @@ except ImportError:  # CPU-only installs: the math path runs instead
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors run (the tests)
 _BLOCK_N = 64  # response keys per iteration
 _MIN_DOT_ROWS = 16  # tl.dot's smallest M: a kv head's query heads are padded up to it
+_SPLITS_A_STEP = 4  # prompt splits merged per loop step ([16, 4, D] float32 in registers)
 
 if triton is not None:
     @triton.jit
@@ -41,7 +42,7 @@ if triton is not None:
                 spo_piece, spo_head, spo_sample, splse_piece, splse_head, splse_sample,
                 so_row, so_head,
                 REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
-                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         heads = kvh * REP + tl.arange(0, REP_PAD)  # this kv head's query heads (padded)
@@ -77,20 +78,24 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         # the prompt's splits: normalised outputs o_s with log-sum-exps lse_s are the blocks
-        # (o_s * e^lse_s, e^lse_s) of the same online softmax; an empty split has lse -inf
+        # (o_s * e^lse_s, e^lse_s) of the same online softmax; an empty split has lse -inf.
+        # SPLITS of them a step: a load a split would leave each step waiting on memory.
         group = row // samples
         sample = row % samples
-        for s in range(0, splits):
-            piece = group * splits + s
-            lse = tl.load(plse_ptr + piece * splse_piece + heads * splse_head
-                          + sample * splse_sample, mask=live, other=float("-inf"))
-            o = tl.load(po_ptr + piece * spo_piece + heads[:, None] * spo_head
-                        + sample * spo_sample + d[None, :], mask=live[:, None], other=0.0)
-            m_new = tl.maximum(m_i, lse)
+        c = tl.arange(0, SPLITS)
+        for first in range(0, splits, SPLITS):
+            piece = group * splits + first + c
+            take = live[:, None] & (first + c < splits)[None, :]
+            lse = tl.load(plse_ptr + piece[None, :] * splse_piece + heads[:, None] * splse_head
+                          + sample * splse_sample, mask=take, other=float("-inf"))
+            o = tl.load(po_ptr + piece[None, :, None] * spo_piece
+                        + heads[:, None, None] * spo_head + sample * spo_sample
+                        + d[None, None, :], mask=take[:, :, None], other=0.0)
+            m_new = tl.maximum(m_i, tl.max(lse, 1))
             alpha = tl.exp(m_i - m_new)
-            beta = tl.exp(lse - m_new)
-            acc = acc * alpha[:, None] + o.to(tl.float32) * beta[:, None]
-            l_i = l_i * alpha + beta
+            w = tl.exp(lse - m_new[:, None])
+            acc = acc * alpha[:, None] + tl.sum(o.to(tl.float32) * w[:, :, None], 1)
+            l_i = l_i * alpha + tl.sum(w, 1)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(out_ptr + row * so_row + heads[:, None] * so_head + d[None, :],
@@ -135,7 +140,8 @@ def response_and_merge(q: Tensor, resp_k: Tensor, resp_v: Tensor, step: Tensor,
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), pl.stride(2),
         out.stride(0), out.stride(1),
         REP=rep, REP_PAD=max(_MIN_DOT_ROWS, triton.next_power_of_2(rep)), D=d,
-        BLOCK_N=_BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
+        BLOCK_N=_BLOCK_N, SPLITS=min(_SPLITS_A_STEP, triton.next_power_of_2(splits)),
+        IEEE=q.dtype == torch.float32, num_warps=4)
     return out
 
 

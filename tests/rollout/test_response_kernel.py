@@ -27,16 +27,17 @@ rk, rv = x(groups * n, hkv, r, d), x(groups * n, hkv, r, d)
 plen = torch.tensor([48, 1, 30])  # splits past a prompt's end hold no key
 # eagerly, and as the engine runs it: compiled, fullgraph, the kernel an opaque op
 compiled = torch.compile(decode_attention, backend="aot_eager", fullgraph=True, dynamic=False)
-args = [t.float() for t in (q, split(pk, 4), split(pv, 4))]
 resp = [t.float() for t in (rk, rv)]
-assert response_kernel.supports(args[0], *resp)
-for attend in (decode_attention, compiled):
+# 2 prompt splits (fewer than the kernel merges a step), 8 (two steps), 16 (some empty)
+for splits, attend in ((2, compiled), (8, decode_attention), (16, compiled)):
+    args = [t.float() for t in (q, split(pk, splits), split(pv, splits))]
+    assert response_kernel.supports(args[0], *resp)
     for last in (0, 63, 64, 149):  # one key; a block boundary either side; every key
         got = attend(*args, plen, *resp, torch.tensor(last), scale=d ** -0.5,
                      implementation="flex")
         want = dense_reference(q, pk, pv, plen, rk, rv, last, d ** -0.5)
         err = float((got.double() - want).abs().max())
-        assert err < 1e-5, (last, err)
+        assert err < 1e-5, (splits, last, err)
 print("ok")
 """
 
