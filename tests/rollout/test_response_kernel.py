@@ -38,6 +38,14 @@ for splits, attend in ((2, compiled), (8, decode_attention), (16, compiled)):
         want = dense_reference(q, pk, pv, plen, rk, rv, last, d ** -0.5)
         err = float((got.double() - want).abs().max())
         assert err < 1e-5, (splits, last, err)
+# the replicated layout (share_prompt=False): one "group" per row
+rows = groups * n
+pk1, pv1 = pk.repeat_interleave(n, 0), pv.repeat_interleave(n, 0)
+plen1 = plen.repeat_interleave(n)
+args = [t.float() for t in (q, split(pk1, 4), split(pv1, 4))]
+got = compiled(*args, plen1, *resp, torch.tensor(100), scale=d ** -0.5, implementation="flex")
+want = dense_reference(q, pk1, pv1, plen1, rk, rv, 100, d ** -0.5)
+assert float((got.double() - want).abs().max()) < 1e-5
 print("ok")
 """
 
