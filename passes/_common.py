@@ -55,11 +55,11 @@ def pass_uuid(*paths: str) -> str:
 @functools.cache
 def regions_ops() -> frozenset:
     """The opaque attention ops the rewrite may insert instead of flex: every registry kernel
-    that is not flex (regions.py, flash_regions.py)."""
+    with an op (registered by region_ops.py and flash_regions.py)."""
     import dualkv_compile.attention.op  # noqa: F401  (registers the ops)
     from dualkv_compile.attention.registry import KERNELS
 
-    return frozenset(k.graph_op().default for k in KERNELS.values() if not k.flex)
+    return frozenset(k.graph_op().default for k in KERNELS.values() if k.op_name is not None)
 
 
 @functools.cache

@@ -186,15 +186,13 @@ def flash_regions_backward(dout, q, k, v, out, lse, plan: Plan, scale: float):
     return dq, dk, dv
 
 
-def _check_flash(q: Tensor, k: Tensor, v: Tensor, backend: str) -> None:
-    """Head dims that agree and, on CUDA, a device and dtype flash-attn-4 runs (else a
-    ValueError naming `backend`)."""
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} differ")
     if q.is_cuda:
         ok, reason = flash_status(q.device, q.shape[-1], q.dtype)
         if not ok:
-            raise ValueError(f"attention_backend={backend!r} cannot run: {reason}")
+            raise ValueError(f"attention_backend='flash_regions' cannot run: {reason}")
 
 
 # ---- the opaque op pair a compiled graph calls (optimize(attention_backend="flash_regions")) --
@@ -206,7 +204,7 @@ def _plan(segment_ids, prefix_segment_ids) -> Plan:
 @torch.library.custom_op("dualkv::flash_regions_attention", mutates_args=())
 def flash_regions_attention_op(q: Tensor, k: Tensor, v: Tensor, segment_ids: Tensor,
                                prefix_segment_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    _check_flash(q, k, v, "flash_regions")
+    _check(q, k, v)
     out, lse = flash_regions_forward(_token_major(q), _token_major(k), _token_major(v),
                                      _plan(segment_ids, prefix_segment_ids), scale)
     return _head_major(out), lse[None]

@@ -122,8 +122,8 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
                                   return_aux=AuxRequest(lse=True),
                                   kernel_options=_prompt_kernel_options(n * hq // hkv))
     if response_kernel.supports(q, resp_k, resp_v):
-        return response_kernel.response_and_merge(q, resp_k, resp_v, last, out_p, aux_p.lse,
-                                                  scale)
+        return response_kernel.response_and_merge_op(q, resp_k, resp_v, last, out_p,
+                                                     aux_p.lse, scale)
     wide = accumulation_dtype(q.dtype)
     out_p, lse_p = _merge_splits(out_p.view(groups, splits, hq, n, d).to(wide),
                                  aux_p.lse.view(groups, splits, hq, n).to(wide))

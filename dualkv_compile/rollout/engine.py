@@ -105,18 +105,18 @@ class RolloutEngine:
         if implementation == "flex" and compiled and not on_cuda:
             raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
                              "returns no log-sum-exp); use attention='math' or compile=False")
-        if implementation == "flex":
-            fused, why = response_kernel.runs_for(self.decoder.head_dim)
-            if not fused:
-                log_once(log, logging.WARNING, f"rollout decode: the response region runs as a "
-                         f"second flex call with Inductor's merges, not the fused Triton kernel "
-                         f"(slower): {why}")
         groups, t = prompts.shape[0], max_generated_tokens
         rows = groups * samples
         capacity = prompt_bucket(pmax)
         compact = torch.nn.functional.pad(compact[:, :capacity], (0, capacity - min(
             capacity, compact.shape[1])), value=pad_id)
         dtype = dtype or next(self.model.parameters()).dtype
+        if implementation == "flex" and on_cuda:
+            fused, why = response_kernel.status(device, self.decoder.head_dim, dtype)
+            if not fused:
+                log_once(log, logging.WARNING, f"rollout decode: the response region runs as a "
+                         f"second flex call with Inductor's merges, not the fused Triton kernel "
+                         f"(slower): {why}")
         key = (rows, groups if self.share_prompt else rows, capacity, t, dtype, sampling,
                pad_id, stops, implementation, device)
         with gathered_weights(self.model):

@@ -3,7 +3,8 @@
 - A graph replay samples exactly what the same compiled step launched eagerly samples, also
   with several stop tokens.
 - An in-place weight update (an optimizer step) is seen by the next rollout without a capture.
-- Flex decode attention in bf16 is within the math path's own bf16 error of float64.
+- Flex decode attention in bf16 is within the math path's own bf16 error of float64; in fp32
+  (the fused response kernel's IEEE dots) it is float64's answer to fp32 rounding.
 - The engine's bf16 logprobs against optimize().response_logprobs on the sampled tokens:
   the gap is printed (and bounded loosely; the figure goes to docs/performance.md).
 - A generator on another device is refused.
@@ -108,6 +109,30 @@ def test_flex_decode_attention_error_is_the_math_paths(n, r, at):
     err_flex, err_math = (got - exact).abs().max(), (math - exact).abs().max()
     print(f"\ndecode attention bf16 max error: flex {err_flex:.3e}, math {err_math:.3e}")
     assert err_flex <= 2 * err_math
+
+
+def test_response_kernel_runs_in_the_flex_path_and_is_exact_in_fp32():
+    """The fused response kernel (rollout/response_kernel.py) is what the compiled flex path
+    runs on CUDA; in float32 (its IEEE dots) it is float64's answer to float32 rounding."""
+    from dualkv_compile.rollout import response_kernel
+
+    g = torch.Generator("cuda").manual_seed(1)
+    groups, n, hq, hkv, d, plen, r = 2, 16, 32, 8, 128, 1000, 300
+    x = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
+    split = (groups, 8, hkv, plen // 8, d)  # the cache's layout: 8 splits of 125 keys
+    q, pk, pv = x(groups * n, hq, d), x(*split), x(*split)
+    rk, rv = x(groups * n, hkv, r, d), x(groups * n, hkv, r, d)
+    lens, last = torch.tensor([1000, 517], device="cuda"), torch.tensor(200, device="cuda")
+    exact = decode_attention(q, pk, pv, lens, rk, rv, last, scale=d ** -0.5)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert response_kernel.supports(q.to(dtype), rk.to(dtype), rv.to(dtype))
+    lo = [t.float() for t in (q, pk, pv)]
+    torch._dynamo.reset()
+    flex = torch.compile(decode_attention, fullgraph=True, dynamic=False)
+    got = flex(*lo, lens, rk.float(), rv.float(), last, scale=d ** -0.5, implementation="flex")
+    err = float((got.double() - exact).abs().max())
+    print(f"\nflex decode attention fp32 (fused response kernel) max error {err:.3e}")
+    assert err < 1e-4
 
 
 def test_engine_logprobs_against_response_logprobs():
