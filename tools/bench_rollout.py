@@ -149,19 +149,25 @@ def _torchtune_kv_cache_generate(model, prompts, samples, t, rng):
             tokens = sample(logits, q=q(logits))
 
 
-def _profile(model, prompts, n, shared, attention, path):
+def _profile(model, prompts, n, r, shared, attention, path):
+    """The CUDA kernels of one rollout of R tokens as the engine runs it (compiled, replayed
+    as CUDA graphs), after a warm-up of the same shape; totals over the R steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = RolloutEngine(model, share_prompt=shared, attention=attention, cuda_graphs=False)
-    run = lambda: engine.generate(prompts, samples=n, max_generated_tokens=17, pad_id=0)  # noqa: E731
+    engine = RolloutEngine(model, share_prompt=shared, attention=attention)
+    run = lambda: engine.generate(prompts, samples=n, max_generated_tokens=r, pad_id=0)  # noqa: E731
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
+    table = prof.key_averages()
+    total_ms = sum(e.self_device_time_total for e in table) / 1e3
     with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
-                                          max_name_column_width=90))
+        f.write(f"kernels: {total_ms:.1f} ms over {r} steps (prefill included), "
+                f"{total_ms / r:.3f} ms a step\n")
+        f.write(table.table(sort_by="self_cuda_time_total", row_limit=40,
+                            max_name_column_width=100))
 
 
 def main(argv=None):
@@ -176,8 +182,8 @@ def main(argv=None):
     ap.add_argument("--attention", nargs="+", default=["flex"], choices=["flex", "math"],
                     help="decode attention of the shared-prompt engine (each one a variant)")
     ap.add_argument("--profile", default=None, metavar="PATH",
-                    help="write the top CUDA kernels of 16 eagerly launched compiled steps of "
-                         "each engine variant to PATH_<variant>.txt")
+                    help="write the top CUDA kernels of one rollout of R tokens (compiled, "
+                         "CUDA graphs) of each engine variant to PATH_<variant>_...txt")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -195,7 +201,7 @@ def main(argv=None):
                 variants["engine_replicated"] = (False, args.attention[0])
             for name, (shared, attention) in variants.items():
                 if args.profile:
-                    _profile(model, prompts, n, shared, attention,
+                    _profile(model, prompts, n, r, shared, attention,
                              f"{args.profile}_{name}_{n}_{p}_{r}_{groups}.txt")
                 engine = RolloutEngine(model, share_prompt=shared, attention=attention)
                 gen = torch.Generator("cuda").manual_seed(0)
