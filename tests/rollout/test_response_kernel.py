@@ -56,7 +56,7 @@ print("ok")
 
 def _interpreter_skip_reason():
     if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (CPU builds of torch do not bring it)"
+        return "Triton is not installed (the [test] extra brings it on Linux x86_64)"
     major, minor = (int(x) for x in numpy.__version__.split(".")[:2])
     if (major, minor) >= (2, 3):  # int() of a 1-element array, which its loop bounds need
         return f"Triton's interpreter fails on numpy {numpy.__version__} (>= 2.3)"
