@@ -111,9 +111,6 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     def in_prompt(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx < lengths[b], score, float("-inf"))
 
-    def in_response(score, b, h, q_idx, kv_idx):
-        return torch.where(kv_idx <= last, score, float("-inf"))
-
     # [G * S, Hq, N, D]: the group's rows as queries, once per split
     qp = q.view(groups, 1, n, hq, d).expand(groups, splits, n, hq, d).reshape(
         groups * splits, n, hq, d).transpose(1, 2)
@@ -124,6 +121,9 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     if response_kernel.supports(q, resp_k, resp_v):
         return response_kernel.response_and_merge_op(q, resp_k, resp_v, last, out_p,
                                                      aux_p.lse, scale)
+    def in_response(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx <= last, score, float("-inf"))
+
     wide = accumulation_dtype(q.dtype)
     out_p, lse_p = _merge_splits(out_p.view(groups, splits, hq, n, d).to(wide),
                                  aux_p.lse.view(groups, splits, hq, n).to(wide))

@@ -113,6 +113,9 @@ class RolloutEngine:
         dtype = dtype or next(self.model.parameters()).dtype
         if implementation == "flex" and on_cuda:
             fused, why = response_kernel.status(device, self.decoder.head_dim, dtype)
+            weights = next(self.model.parameters()).dtype
+            if fused and weights != dtype:  # the kernel takes q and the cache in one dtype
+                fused, why = False, f"the weights are {weights} and the KV cache {dtype}"
             if not fused:
                 log_once(log, logging.WARNING, f"rollout decode: the response region runs as a "
                          f"second flex call with Inductor's merges, not the fused Triton kernel "

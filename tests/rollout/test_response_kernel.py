@@ -77,9 +77,9 @@ def test_kernel_status_names_what_it_cannot_run():
 
     from dualkv_compile.rollout import response_kernel
 
-    cpu = response_kernel.status(torch.device("cpu"), 128, torch.bfloat16)
-    assert not cpu[0] and ("Triton" in cpu[1] or "CUDA" in cpu[1] or os.environ.get(
-        "TRITON_INTERPRET") == "1")
+    runs, why = response_kernel.status(torch.device("cpu"), 128, torch.bfloat16)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs CPU tensors
+        assert not runs and ("Triton is not installed" in why or "runs on CUDA" in why), why
     if response_kernel.triton is not None:
         cuda = torch.device("cuda")
         assert "power of two" in response_kernel.status(cuda, 80, torch.bfloat16)[1]
