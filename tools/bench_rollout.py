@@ -179,7 +179,8 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--no-torchtune", action="store_true", help="skip the previous sampler")
     ap.add_argument("--no-replicated", action="store_true")
-    ap.add_argument("--attention", nargs="+", default=["flex"], choices=["flex", "math"],
+    ap.add_argument("--attention", nargs="+", default=["triton"],
+                    choices=["triton", "flex", "math"],
                     help="decode attention of the shared-prompt engine (each one a variant)")
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="write the top CUDA kernels of one rollout of R tokens (compiled, "

@@ -12,14 +12,17 @@ the S splits run as S batch entries (split-KV, as decode kernels do): one group'
 S x Hkv independent pieces of work instead of Hkv, enough to fill a GPU. A split beyond the
 prompt's length has no valid key: its log-sum-exp is -inf, its output 0, its merge weight 0.
 
-Two implementations with one meaning:
+Three implementations with one meaning:
 - "math": explicit einsum + masked softmax in float32 (float64 stays float64); the reference
-  the tests hold the other to, and the CPU path.
-- "flex": FlexAttention for the prompt region, with the lengths as score_mods (no BlockMask),
-  lowered by Inductor (its decoding kernel) inside the compiled step; the response region and
-  both merges in one Triton kernel that reads the response keys only up to the step
-  (response_kernel.py; where it cannot run, a second flex call and Inductor's merges). CUDA
-  only, and the default there (the faster of the two: docs/performance.md, "Rollout").
+  the tests hold the others to, and the CPU path.
+- "triton": Triton kernels (kernels/): the prompt region's partials, one program reading a run
+  of a group's prompt keys once for all its rows' queries; each row against runs of its
+  response keys up to the step; one merge of all partials. They split the keys themselves
+  (the engine stores their prompts in one split). CUDA only, and the default there (the
+  fastest: docs/performance.md, "Rollout").
+- "flex": FlexAttention for both regions, with the lengths as score_mods (no BlockMask),
+  lowered by Inductor (its decoding kernel) inside the compiled step, and Inductor's merges.
+  CUDA only; where the Triton kernels cannot run (kernels.status says why).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from torch import Tensor
 
 from ..attention.merge import merge_partials
 from ..numerics import accumulation_dtype
-from . import response_kernel
+from . import kernels
+from .kernels import prompt as prompt_kernel
+from .kernels import response as response_kernel
 
 __all__ = ["decode_attention", "split_lengths", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = ("math", "flex")
+IMPLEMENTATIONS = ("math", "triton", "flex")
 # flex's decoding kernel puts all of a kv head's queries (rows x query heads per kv head) in
 # one tile of that many rows by default, and spills registers beyond 64 (N = 32 rows x 4 heads
 # ran 50x slower than N = 16); larger query sets are cut into tiles of 64
@@ -100,6 +105,15 @@ def _prompt_kernel_options(queries_per_kv_head: int) -> dict:
     return {"BLOCK_M": tile, "num_warps": _PROMPT_NUM_WARPS}
 
 
+def _triton(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
+    groups, splits, hkv, chunk = prompt_k.shape[:4]
+    run = prompt_kernel.keys_per_program(groups, splits, chunk, hkv,
+                                         q.shape[0] // groups * (q.shape[1] // hkv))
+    out_p, lse_p = prompt_kernel.prompt_partials_op(
+        q, prompt_k, prompt_v, _lengths(prompt_len, splits, chunk), scale, run)
+    return response_kernel.response_and_merge_op(q, resp_k, resp_v, last, out_p, lse_p, scale)
+
+
 def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
@@ -111,6 +125,9 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     def in_prompt(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx < lengths[b], score, float("-inf"))
 
+    def in_response(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx <= last, score, float("-inf"))
+
     # [G * S, Hq, N, D]: the group's rows as queries, once per split
     qp = q.view(groups, 1, n, hq, d).expand(groups, splits, n, hq, d).reshape(
         groups * splits, n, hq, d).transpose(1, 2)
@@ -118,12 +135,6 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
                                   score_mod=in_prompt, scale=scale, enable_gqa=True,
                                   return_aux=AuxRequest(lse=True),
                                   kernel_options=_prompt_kernel_options(n * hq // hkv))
-    if response_kernel.supports(q, resp_k, resp_v):
-        return response_kernel.response_and_merge_op(q, resp_k, resp_v, last, out_p,
-                                                     aux_p.lse, scale)
-    def in_response(score, b, h, q_idx, kv_idx):
-        return torch.where(kv_idx <= last, score, float("-inf"))
-
     wide = accumulation_dtype(q.dtype)
     out_p, lse_p = _merge_splits(out_p.view(groups, splits, hq, n, d).to(wide),
                                  aux_p.lse.view(groups, splits, hq, n).to(wide))
@@ -132,6 +143,9 @@ def _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale):
     return merge_partials(out_p.transpose(1, 2).reshape(rows, hq, d),
                           lse_p.transpose(1, 2).reshape(rows, hq),
                           out_r[:, :, 0].to(wide), aux_r.lse[:, :, 0].to(wide))[0]
+
+
+_IMPLEMENTATION = {"math": _math, "triton": _triton, "flex": _flex}
 
 
 def decode_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_len: Tensor,
@@ -143,14 +157,15 @@ def decode_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_len: 
     (the group's prompt keys in S splits of C: key j at split j // C, index j % C) with
     prompt_len [G] valid keys each, or [G, S] valid keys per split (split_lengths; the engine
     passes these, computed once per rollout: computed inside the compiled step, Inductor
-    inlined them into flex's score_mod and failed to compile it for some shapes on torch 2.11); resp_k/v [rows, Hkv, R, D] with keys 0..last valid (`last`
-    a 0-d tensor: the index the current token was just written at). Returns [rows, Hq, D] in
-    q's dtype.
+    inlined them into flex's score_mod and failed to compile it for some shapes on torch
+    2.11); resp_k/v [rows, Hkv, R, D] with keys 0..last valid (`last` a 0-d tensor: the index
+    the current token was just written at). Returns [rows, Hq, D] in q's dtype.
     """
-    if implementation == "math":
-        out = _math(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale)
-    elif implementation == "flex":
-        out = _flex(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale)
-    else:
+    if implementation not in _IMPLEMENTATION:
         raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
-    return out.to(q.dtype)
+    if implementation == "triton" and not kernels.supports(q, prompt_k, prompt_v, resp_k, resp_v):
+        runs, why = kernels.status(q.device, q.shape[-1], q.dtype)
+        raise ValueError("implementation='triton' cannot run here: " + (
+            why if not runs else "q and the K/V caches differ in dtype or layout"))
+    attend = _IMPLEMENTATION[implementation]
+    return attend(q, prompt_k, prompt_v, prompt_len, resp_k, resp_v, last, scale).to(q.dtype)

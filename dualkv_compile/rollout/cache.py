@@ -2,9 +2,9 @@
 
 Prompt K/V are stored once per group, left padding stripped (a group's prompt starts at key 0
 and `prompt_len[g, s]` says how many keys of split s are valid), split along the keys for
-split-KV decoding:
-[G, S, Hkv, C, D] per layer, S x C = the prompt capacity (attention.py says why). Response K/V
-once per row ([rows, Hkv, R, D]). With `share_prompt=False` the prompt K/V are replicated
+split-KV decoding by flex and math: [G, S, Hkv, C, D] per layer, S x C = the prompt capacity
+(attention.py says why); the Triton kernels split the keys themselves and take S = 1.
+Response K/V once per row ([rows, Hkv, R, D]). With `share_prompt=False` the prompt K/V are replicated
 per row (G = rows, one row per "group"), which is what a decoder without cascade attention
 holds: the baseline the benchmark and the recipe's off side use.
 
@@ -65,13 +65,15 @@ class RolloutCache:
     @classmethod
     def allocate(cls, *, layers: int, groups: int, rows: int, prompt_capacity: int,
                  response_capacity: int, kv_heads: int, head_dim: int, vocab: int,
-                 dtype: torch.dtype, device: torch.device) -> RolloutCache:
+                 dtype: torch.dtype, device: torch.device,
+                 splits: int | None = None) -> RolloutCache:
+        """splits: the prompt's S (default `prompt_splits`; the Triton kernels take 1)."""
         def kv(*lead, length):
             # zeros, not empty: masked keys still meet a 0 weight in p @ v, and 0 * NaN = NaN
             return [torch.zeros(*lead, kv_heads, length, head_dim, dtype=dtype, device=device)
                     for _ in range(layers)]
 
-        splits = prompt_splits(groups, kv_heads, prompt_capacity)
+        splits = splits or prompt_splits(groups, kv_heads, prompt_capacity)
         chunk = prompt_capacity // splits
         long = dict(dtype=torch.long, device=device)
         return cls(prompt_k=kv(groups, splits, length=chunk),

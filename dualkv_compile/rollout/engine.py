@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..recompiles import bounded_recompiles
 from ..stats import counters, log_once
-from . import response_kernel
+from . import kernels
 from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
@@ -57,8 +57,8 @@ class _Workspace:
 class RolloutEngine:
     """Shared-prompt decoding for one model (see the module docstring).
 
-    attention: "auto" (flex on CUDA, the faster there: docs/performance.md; math elsewhere),
-        "flex" or "math".
+    attention: "auto" (on CUDA the Triton kernels, the fastest: docs/performance.md, else flex
+        with a logged reason; math elsewhere), "triton", "flex" or "math".
     compile: torch.compile the decode step (default: on CUDA).
     cuda_graphs: replay `steps_per_graph` compiled steps as one CUDA graph (default: on CUDA
         when compiling).
@@ -99,9 +99,9 @@ class RolloutEngine:
         compact, plen, pmax = self._check(prompts, samples, max_generated_tokens, pad_id, rng)
         device = prompts.device
         on_cuda = device.type == "cuda"
-        implementation = self.attention if self.attention != "auto" else (
-            "flex" if on_cuda else "math")
         compiled = self.compile if self.compile is not None else on_cuda
+        dtype = dtype or next(self.model.parameters()).dtype
+        implementation = self._implementation(device, dtype)
         if implementation == "flex" and compiled and not on_cuda:
             raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
                              "returns no log-sum-exp); use attention='math' or compile=False")
@@ -110,16 +110,6 @@ class RolloutEngine:
         capacity = prompt_bucket(pmax)
         compact = torch.nn.functional.pad(compact[:, :capacity], (0, capacity - min(
             capacity, compact.shape[1])), value=pad_id)
-        dtype = dtype or next(self.model.parameters()).dtype
-        if implementation == "flex" and on_cuda:
-            fused, why = response_kernel.status(device, self.decoder.head_dim, dtype)
-            weights = next(self.model.parameters()).dtype
-            if fused and weights != dtype:  # the kernel takes q and the cache in one dtype
-                fused, why = False, f"the weights are {weights} and the KV cache {dtype}"
-            if not fused:
-                log_once(log, logging.WARNING, f"rollout decode: the response region runs as a "
-                         f"second flex call with Inductor's merges, not the fused Triton kernel "
-                         f"(slower): {why}")
         key = (rows, groups if self.share_prompt else rows, capacity, t, dtype, sampling,
                pad_id, stops, implementation, device)
         with gathered_weights(self.model):
@@ -166,6 +156,23 @@ class RolloutEngine:
         return self._workspace.cache.kv_bytes() if self._workspace else 0
 
     # ---- checks ------------------------------------------------------------------------------
+    def _implementation(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The decode attention to run: the engine's `attention`, or for "auto" the Triton
+        kernels on CUDA (flex where they cannot run, logged once with the reason), else math."""
+        if self.attention in ("math", "flex") or (self.attention == "auto"
+                                                  and device.type != "cuda"):
+            return "math" if self.attention == "auto" else self.attention
+        runs, why = kernels.status(device, self.decoder.head_dim, dtype)
+        weights = next(self.model.parameters()).dtype
+        if runs and weights != dtype:  # the kernels take q and the cache in one dtype
+            runs, why = False, f"the weights are {weights} and the KV cache {dtype}"
+        if not runs and self.attention == "triton":
+            raise ValueError(f"attention='triton' cannot run: {why}")
+        if not runs:
+            log_once(log, logging.WARNING, f"rollout decode attention runs as flex calls with "
+                     f"Inductor's merges, not the Triton kernels (slower): {why}")
+        return "triton" if runs else "flex"
+
     def _check(self, prompts, samples, t, pad_id, rng):
         if prompts.dim() != 2 or prompts.shape[0] < 1 or prompts.dtype not in (
                 torch.long, torch.int32):
@@ -204,7 +211,8 @@ class RolloutEngine:
             cache = RolloutCache.allocate(
                 layers=len(dec.layers), groups=groups, rows=rows, prompt_capacity=capacity,
                 response_capacity=t, kv_heads=dec.num_kv_heads, head_dim=dec.head_dim,
-                vocab=dec.vocab_size, dtype=dtype, device=device)
+                vocab=dec.vocab_size, dtype=dtype, device=device,
+                splits=1 if impl == "triton" else None)
             ws = _Workspace(key, cache, self._step_fn(key, compiled))
             ws.use_graphs = on_cuda and compiled and (self.cuda_graphs is not False)
             if ws.use_graphs:

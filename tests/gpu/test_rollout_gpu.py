@@ -3,8 +3,9 @@
 - A graph replay samples exactly what the same compiled step launched eagerly samples, also
   with several stop tokens.
 - An in-place weight update (an optimizer step) is seen by the next rollout without a capture.
-- Flex decode attention in bf16 is within the math path's own bf16 error of float64; in fp32
-  (the fused response kernel's IEEE dots) it is float64's answer to fp32 rounding.
+- The Triton kernels' and flex's decode attention in bf16 are within the math path's own bf16
+  error of float64; in fp32 (the kernels' IEEE dots) the kernels give float64's answer to fp32
+  rounding, with one and with several splits a prompt program.
 - The engine's bf16 logprobs against optimize().response_logprobs on the sampled tokens:
   the gap is printed (and bounded loosely; the figure goes to docs/performance.md).
 - A generator on another device is refused.
@@ -43,10 +44,11 @@ def run(engine, p, seed=3, **kw):
     return engine.generate(p, **args)
 
 
-def test_graph_replay_equals_the_eagerly_launched_step():
+@pytest.mark.parametrize("attention", ["auto", "flex"])  # auto: the Triton kernels
+def test_graph_replay_equals_the_eagerly_launched_step(attention):
     m, p = model(), prompts()
-    graphs = RolloutEngine(m, steps_per_graph=8)
-    eager = RolloutEngine(m, cuda_graphs=False)
+    graphs = RolloutEngine(m, steps_per_graph=8, attention=attention)
+    eager = RolloutEngine(m, cuda_graphs=False, attention=attention)
     a, b = run(graphs, p), run(eager, p)
     assert graphs.stats["captures"] >= 1 and eager.stats["captures"] == 0
     assert graphs.stats["graph_fallbacks"] == 0
@@ -88,9 +90,12 @@ def test_in_place_weight_update_is_seen_without_recapture():
     assert torch.equal(after, run(RolloutEngine(m, cuda_graphs=False), p))
 
 
-# 16 rows x 4 query heads a kv head fill one query tile of the prompt region; 32 x 4, two
-@pytest.mark.parametrize("n,r,at", [(16, 300, 123), (32, 300, 123), (32, 256, 255)])
-def test_flex_decode_attention_error_is_the_math_paths(n, r, at):
+# 16 rows x 4 query heads a kv head: one query tile of 64; 32 x 4: flex's two tiles of 64, one
+# prompt-kernel tile of 128; 48 x 4: two prompt-kernel tiles
+@pytest.mark.parametrize("implementation", ["triton", "flex"])
+@pytest.mark.parametrize("n,r,at", [(16, 300, 123), (32, 300, 123), (32, 256, 255),
+                                    (48, 100, 50)])
+def test_decode_attention_bf16_error_is_the_math_paths(implementation, n, r, at):
     g = torch.Generator("cuda").manual_seed(0)
     groups, hq, hkv, d, plen = 3, 32, 8, 128, 1000
     x = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
@@ -103,19 +108,23 @@ def test_flex_decode_attention_error_is_the_math_paths(n, r, at):
     lo = [t.bfloat16() for t in (q, pk, pv)]
     rlo = [t.bfloat16() for t in (rk, rv)]
     torch._dynamo.reset()  # static shapes for each case, as the engine compiles it
-    flex = torch.compile(decode_attention, fullgraph=True, dynamic=False)
-    got = flex(*lo, lens, *rlo, last, scale=d ** -0.5, implementation="flex").double()
+    fast = torch.compile(decode_attention, fullgraph=True, dynamic=False)
+    got = fast(*lo, lens, *rlo, last, scale=d ** -0.5, implementation=implementation).double()
     math = decode_attention(*lo, lens, *rlo, last, scale=d ** -0.5).double()
-    err_flex, err_math = (got - exact).abs().max(), (math - exact).abs().max()
-    print(f"\ndecode attention bf16 max error: flex {err_flex:.3e}, math {err_math:.3e}")
-    assert err_flex <= 2 * err_math
+    err_fast, err_math = (got - exact).abs().max(), (math - exact).abs().max()
+    print(f"\ndecode attention bf16 max error: {implementation} {err_fast:.3e}, "
+          f"math {err_math:.3e}")
+    assert err_fast <= 2 * err_math
 
 
-def test_response_kernel_runs_in_the_flex_path_and_is_exact_in_fp32():
-    """The fused response kernel (rollout/response_kernel.py) is what the compiled flex path
-    runs on CUDA; in float32 (its IEEE dots) it is float64's answer to float32 rounding."""
-    from dualkv_compile.rollout import response_kernel
+@pytest.mark.parametrize("min_programs", [132, 1])  # 1 split a prompt program; all 8 in one
+def test_triton_kernels_are_exact_in_fp32(monkeypatch, min_programs):
+    """In float32 (the kernels' IEEE dots) the Triton decode attention is float64's answer to
+    float32 rounding; the engine's default on CUDA."""
+    from dualkv_compile.rollout import kernels
+    from dualkv_compile.rollout.kernels import prompt as prompt_kernel
 
+    monkeypatch.setattr(prompt_kernel, "_MIN_PROGRAMS", min_programs)
     g = torch.Generator("cuda").manual_seed(1)
     groups, n, hq, hkv, d, plen, r = 2, 16, 32, 8, 128, 1000, 300
     x = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
@@ -125,13 +134,13 @@ def test_response_kernel_runs_in_the_flex_path_and_is_exact_in_fp32():
     lens, last = torch.tensor([1000, 517], device="cuda"), torch.tensor(200, device="cuda")
     exact = decode_attention(q, pk, pv, lens, rk, rv, last, scale=d ** -0.5)
     for dtype in (torch.bfloat16, torch.float32):
-        assert response_kernel.supports(q.to(dtype), rk.to(dtype), rv.to(dtype))
+        assert kernels.supports(*(t.to(dtype) for t in (q, pk, pv, rk, rv)))
     lo = [t.float() for t in (q, pk, pv)]
     torch._dynamo.reset()
-    flex = torch.compile(decode_attention, fullgraph=True, dynamic=False)
-    got = flex(*lo, lens, rk.float(), rv.float(), last, scale=d ** -0.5, implementation="flex")
+    fast = torch.compile(decode_attention, fullgraph=True, dynamic=False)
+    got = fast(*lo, lens, rk.float(), rv.float(), last, scale=d ** -0.5, implementation="triton")
     err = float((got.double() - exact).abs().max())
-    print(f"\nflex decode attention fp32 (fused response kernel) max error {err:.3e}")
+    print(f"\ntriton decode attention fp32, min_programs {min_programs}: max error {err:.3e}")
     assert err < 1e-4
 
 

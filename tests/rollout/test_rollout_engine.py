@@ -3,6 +3,8 @@ tokens equal the no-cache reference sampler's for the same generator (several gr
 left-padded prompts of different lengths, a stop token, N=1, top-k, top-p) on every model
 family optimize() accepts, and bad input is refused by name."""
 
+import os
+
 import pytest
 import torch
 
@@ -230,6 +232,14 @@ def test_unsupported_models_are_refused_by_name():
         RolloutEngine(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="attention='fast'"):
         RolloutEngine(model_of("qwen3"), attention="fast")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="CPU kernels run there")
+def test_triton_attention_on_the_cpu_is_refused_with_the_reason():
+    engine = RolloutEngine(model_of("qwen3"), attention="triton")
+    with pytest.raises(ValueError, match="attention='triton' cannot run: (Triton is not "
+                                         "installed|the kernels run on CUDA, not cpu)"):
+        engine.generate(ragged_prompts(groups=1), samples=2, max_generated_tokens=3, pad_id=PAD)
 
 
 def test_logprobs_after_an_early_stop_are_zero_on_a_reused_engine():
