@@ -4,9 +4,9 @@ Prompt K/V are stored once per group, left padding stripped (a group's prompt st
 and `prompt_len[g, s]` says how many keys of split s are valid), split along the keys for
 split-KV decoding by flex and math: [G, S, Hkv, C, D] per layer, S x C = the prompt capacity
 (attention.py says why); the Triton kernels split the keys themselves and take S = 1.
-Response K/V once per row ([rows, Hkv, R, D]). With `share_prompt=False` the prompt K/V are replicated
-per row (G = rows, one row per "group"), which is what a decoder without cascade attention
-holds: the baseline the benchmark and the recipe's off side use.
+Response K/V once per row ([rows, Hkv, R, D]). With `share_prompt=False` the prompt K/V are
+replicated per row (G = rows, one row per "group"), which is what a decoder without cascade
+attention holds: the baseline the benchmark and the recipe's off side use.
 
 The decode state (current tokens, step counter, done flags, output tokens, sampling noise) lives
 here too, so that a captured CUDA graph's inputs keep their addresses across replays.

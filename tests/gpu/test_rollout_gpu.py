@@ -5,7 +5,7 @@
 - An in-place weight update (an optimizer step) is seen by the next rollout without a capture.
 - The Triton kernels' and flex's decode attention in bf16 are within the math path's own bf16
   error of float64; in fp32 (the kernels' IEEE dots) the kernels give float64's answer to fp32
-  rounding, with one and with several splits a prompt program.
+  rounding, with runs of 64 keys a prompt program and with one run per split.
 - The engine's bf16 logprobs against optimize().response_logprobs on the sampled tokens:
   the gap is printed (and bounded loosely; the figure goes to docs/performance.md).
 - A generator on another device is refused.
@@ -117,7 +117,8 @@ def test_decode_attention_bf16_error_is_the_math_paths(implementation, n, r, at)
     assert err_fast <= 2 * err_math
 
 
-@pytest.mark.parametrize("min_programs", [132, 1])  # 1 split a prompt program; all 8 in one
+# 132: prompt runs of 64 keys (two a 125-key split); 1: one run of 128 keys a split
+@pytest.mark.parametrize("min_programs", [132, 1])
 def test_triton_kernels_are_exact_in_fp32(monkeypatch, min_programs):
     """In float32 (the kernels' IEEE dots) the Triton decode attention is float64's answer to
     float32 rounding; the engine's default on CUDA."""

@@ -60,8 +60,8 @@ for hq, hkv, d, n in ((8, 2, 16, 4), (2, 2, 32, 4), (6, 2, 16, 4), (8, 2, 16, 40
     got = traced(*args, plen1, *resp, torch.tensor(100), scale=d ** -0.5, implementation="triton")
     want = dense_reference(q, pk1, pv1, plen1, rk, rv, 100, d ** -0.5)
     assert float((got.double() - want).abs().max()) < 1e-5
-# one split of 300 keys, as the engine stores prompts for these kernels: runs of 64 keys a
-# prompt program (min_programs 132), or of 256 (min_programs 1: a partial second run)
+# one split of 300 keys, as the engine stores prompts for these kernels: 5 runs of 64 keys a
+# prompt program, a partial last one (min_programs 132), or one run of 512 (min_programs 1)
 q, pk, pv = x(8, 8, 16), x(2, 2, 300, 16), x(2, 2, 300, 16)
 rk, rv = x(8, 2, 20, 16), x(8, 2, 20, 16)
 plen = torch.tensor([300, 170])
@@ -113,4 +113,5 @@ def test_kernel_status_names_what_it_cannot_run():
     if kernels.triton is not None:
         cuda = torch.device("cuda")
         assert "power of two" in kernels.status(cuda, 80, torch.bfloat16)[1]
+        assert "[16, 128]" in kernels.status(cuda, 256, torch.bfloat16)[1]
         assert "float64" in kernels.status(cuda, 128, torch.float64)[1]

@@ -25,6 +25,9 @@ except ImportError:  # CPU-only installs: the math path runs instead
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors run (the tests)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_DOT_ROWS = 16  # tl.dot's smallest M: query tiles are padded up to it
+# head dims the tiles are sized and tested for (blocks of 64 keys, 3 pipeline stages: K/V of
+# D = 256 in fp32 would pass an H100's shared memory)
+MAX_HEAD_DIM = 128
 
 
 def status(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
@@ -35,8 +38,11 @@ def status(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[boo
         return False, f"the kernels run on CUDA, not {device}"
     if dtype not in DTYPES:
         return False, f"the kernels compute bf16, fp16 or fp32, not {dtype}"
-    if head_dim < 16 or head_dim != triton.next_power_of_2(head_dim):
-        return False, f"head dim {head_dim} is not a power of two >= 16"
+    if not 16 <= head_dim <= MAX_HEAD_DIM or head_dim != triton.next_power_of_2(head_dim):
+        return False, f"head dim {head_dim} is not a power of two in [16, {MAX_HEAD_DIM}]"
+    if (device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) < (8, 0)):
+        return False, "the kernels' bf16 dots need compute capability 8.0 or newer"
     return True, "Triton kernels"
 
 

@@ -97,8 +97,9 @@ def _tile(queries: int) -> int:
 
 
 def keys_per_program(groups: int, splits: int, chunk: int, kv_heads: int, queries: int) -> int:
-    """The longest run of keys (64 x a power of two, up to the split's) whose grid (groups x
-    splits x runs a split x kv heads x query tiles) keeps _MIN_PROGRAMS programs."""
+    """The longest run of keys (64 x a power of two, at most the first that covers a whole
+    split) whose grid (groups x splits x runs a split x kv heads x query tiles) keeps
+    _MIN_PROGRAMS programs."""
     tiles = -(-queries // _tile(queries))
     run = _BLOCK_N
     while run < chunk and groups * splits * -(-chunk // (2 * run)) * kv_heads * tiles \
@@ -111,12 +112,15 @@ def keys_per_program(groups: int, splits: int, chunk: int, kv_heads: int, querie
 def prompt_partials_op(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_len: Tensor,
                        scale: float, run_keys: int) -> tuple[Tensor, Tensor]:
     """q [rows, Hq, D] (rows group-major); prompt_k/v [G, S, Hkv, C, D]; prompt_len [G, S]
-    valid keys per split (a prefix of each); runs of `run_keys` keys a program. -> the prompt
+    valid keys per split (a prefix of each, at most C: `attention.split_lengths`), on q's
+    device; runs of `run_keys` keys a program. -> the prompt
     region's partials: outputs [G * S', Hq, N, D] in q's dtype and log-sum-exps [G * S', Hq,
     N] float32, S' = S x ceil(C / run_keys), the layout response.py takes."""
     rows, hq, d = q.shape
     groups, splits, hkv, chunk, _ = prompt_k.shape
     torch._check(supports(q, prompt_k, prompt_v), lambda: "see rollout.kernels.supports")
+    torch._check(prompt_len.device == q.device,
+                 lambda: f"prompt_len is on {prompt_len.device}, q on {q.device}")
     torch._check(hq % hkv == 0 and rows % groups == 0 and run_keys >= 1
                  and prompt_len.shape == (groups, splits),
                  lambda: f"q {tuple(q.shape)}, prompt_k {tuple(prompt_k.shape)}, prompt_len "

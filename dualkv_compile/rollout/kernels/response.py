@@ -178,6 +178,9 @@ def response_and_merge_op(q: Tensor, resp_k: Tensor, resp_v: Tensor, last: Tenso
     hkv, capacity = resp_k.shape[1], resp_k.shape[2]
     pieces_all, _, samples = prompt_lse.shape
     torch._check(supports(q, resp_k, resp_v), lambda: "see rollout.kernels.supports")
+    torch._check(last.device == q.device and prompt_lse.device == q.device,
+                 lambda: f"last ({last.device}) and the prompt partials "
+                         f"({prompt_lse.device}) must be on q's device {q.device}")
     torch._check(hq % hkv == 0 and rows % samples == 0 and (pieces_all * samples) % rows == 0,
                  lambda: f"q {tuple(q.shape)}, resp_k {tuple(resp_k.shape)} and prompt_lse "
                          f"{tuple(prompt_lse.shape)} do not describe one layout")
