@@ -27,3 +27,20 @@ def test_subpackages_are_installed_under_the_package_name():
 
     assert dualkv_compile.passes.__name__ == "dualkv_compile.passes"
     assert dualkv_compile.tools.__name__ == "dualkv_compile.tools"
+
+
+def test_every_source_package_is_listed_for_installation():
+    # pyproject.toml names the packages one by one (passes/ and tools/ map into the package):
+    # a folder left out is missing from a non-editable install
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    where = {name: root / folder for name, folder in config["package-dir"].items()}
+    found = set()
+    for name, folder in where.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *parts)))
+    assert found <= set(config["packages"]), sorted(found - set(config["packages"]))
