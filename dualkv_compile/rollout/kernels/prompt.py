@@ -29,6 +29,8 @@ __all__ = ["keys_per_program", "prompt_partials_op"]
 if triton is not None:
     import triton.language as tl
 
+    from .softmax import fold_keys, normalise
+
 _BLOCK_N = 64  # keys per iteration
 _NUM_STAGES = 3  # Triton's software pipelining depth of the key loop (its default on CUDA)
 _MAX_TILE = 128  # queries per program (more: further programs on the grid's third axis)
@@ -67,25 +69,9 @@ if triton is not None:
             valid = keys < hi
             kv = base + keys * sk_key
             k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key `start` is valid
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+            m_i, l_i, acc = fold_keys(q, k, v_ptr + kv[:, None] + d[None, :], valid, scale,
+                                      m_i, l_i, acc, IEEE)
+        out, lse = normalise(m_i, l_i, acc)
         tl.store(out_ptr + piece * so_piece + head[:, None] * so_head
                  + sample[:, None] * so_sample + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None])

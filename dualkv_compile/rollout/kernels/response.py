@@ -27,6 +27,8 @@ __all__ = ["response_and_merge_op", "keys_per_program"]
 if triton is not None:
     import triton.language as tl
 
+    from .softmax import fold_keys, normalise
+
 _BLOCK_N = 64  # response keys per iteration
 _NUM_STAGES = 3  # Triton's software pipelining depth of the key loop (its default on CUDA)
 _MAX_PROGRAMS = 1024  # runs shorten (from the whole capacity) down to this many programs
@@ -64,23 +66,8 @@ if triton is not None:
                 valid = keys < hi
                 k = tl.load(k_ptr + kv + keys[:, None] * sk_key + d[None, :],
                             mask=valid[:, None], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(valid[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key `start` is valid
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                v = tl.load(v_ptr + kv + keys[:, None] * sk_key + d[None, :],
-                            mask=valid[:, None], other=0.0)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
+                m_i, l_i, acc = fold_keys(q, k, v_ptr + kv + keys[:, None] * sk_key + d[None, :],
+                                          valid, scale, m_i, l_i, acc, IEEE)
         if FINAL:
             # one run of all the keys: fold the group's prompt partials in here, as blocks of
             # the same online softmax (m_i is finite: key 0 is valid), and write the output;
@@ -105,9 +92,7 @@ if triton is not None:
             tl.store(final_ptr + row * sf_row + heads[:, None] * sf_head + d[None, :],
                      (acc / l_i[:, None]).to(final_ptr.dtype.element_ty), mask=live[:, None])
         else:
-            empty = l_i == 0.0
-            out = acc / tl.where(empty, 1.0, l_i)[:, None]
-            lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+            out, lse = normalise(m_i, l_i, acc)
             tl.store(out_ptr + row * so_row + run * so_run + heads[:, None] * so_head
                      + d[None, :], out, mask=live[:, None])
             tl.store(lse_ptr + row * se_row + run * se_run + heads * se_head, lse, mask=live)
