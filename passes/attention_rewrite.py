@@ -4,7 +4,7 @@ An SDPA node is rewritten when it is causal: `is_causal=True` with no mask, or a
 model computed from positions and shapes alone (transformers builds one from position_ids).
 Masks that depend on token data or parameters, dropout, or a batch other than 1 are refused.
 The replacement is the flex_attention higher-order op with the packed layout's BlockMask, whose
-tensors (and the 1-D segment tables its mask_mod reads) come from the layout anchor's inputs;
+tensors (and the 1-D table its mask_mod reads) come from the layout anchor's inputs;
 with a region kernel ("regions", "flash_regions"), that kernel's opaque op
 (torch.ops.dualkv.regions_attention, regions.py; flash_regions_attention, flash_regions.py),
 which reads the segment tables only.
@@ -232,17 +232,17 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
     """Rewrite every SDPA node of `gm` in place; erase the anchor. Returns the rewrite count."""
     graph = gm.graph
     anchor = find_anchor(graph)
-    tokens, positions, tables = anchor.args
-    segment_ids, prefix_segment_ids, block_tensors = tables[0], tables[1], list(tables[2:])
+    tokens, positions, tables = anchor.args  # layout.inputs.layout_tables
     sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
     if not sdpa_nodes:
         raise Refusal("no scaled_dot_product_attention in the traced model; nothing to share")
     if not attention_kernel(attention_backend).flex:
+        segment_ids, prefix_segment_ids = tables
         _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
                     attention_backend)
     else:
         _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_backend,
-                 segment_ids, prefix_segment_ids, block_tensors)
+                 tables[0], list(tables[1:]))
 
     # The anchor's output is unused; its inputs now feed the attention nodes directly.
     anchor.replace_all_uses_with(tokens)
@@ -295,7 +295,7 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
 
 
 def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_backend,
-             segment_ids, prefix_segment_ids, block_tensors) -> None:
+             visible_until, block_tensors) -> None:
     """SDPA -> the flex_attention higher-order op with the layout's BlockMask."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
     from torch.nn.attention.flex_attention import _apply_kernel_options
@@ -321,7 +321,7 @@ def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_back
             hop = graph.call_function(
                 flex_hop,
                 (args["query"], args["key"], args["value"], score_attr, block_mask, scale,
-                 options, (), (segment_ids, prefix_segment_ids)),
+                 options, (), (visible_until,)),
             )
             out = graph.call_function(operator.getitem, (hop, 0))
         _replace(node, out)

@@ -1,33 +1,55 @@
-"""Mask-form benchmark (an experiment, not a test): the same shared-prefix BlockMask with two
+"""Mask-form benchmark (an experiment, not a test): the same shared-prefix BlockMask with
 mask_mods that mean the same thing, timed fwd+bwd on a flex backend in one process.
 
-- "segments" (what the library uses): kv <= q and (seg[kv] == seg[q] or seg[kv] == pre[q]):
-  one table load indexed by the key for every element of a partial block.
-- "intervals": kv in [own_lo[q], q] or kv in [prefix_lo[q], prefix_hi[q]): loads indexed by the
-  query only (the same for a whole row), then comparisons.
+- "visible_until" (what the library uses): kv <= q < visible_until[kv]: one table load, indexed
+  by the key, for every element of a partial block.
+- "segments" (the library's form until 2026-11-26): kv <= q and (seg[kv] == seg[q] or
+  seg[kv] == pre[q]): three loads.
+- "intervals": kv in [own_lo[q], q] or kv in [prefix_lo[q], prefix_hi[q]): three loads indexed
+  by the query only.
+- with --bounds, two variants that compute wrong values, to bound what masking costs: "no_op"
+  (the partial blocks with a mask_mod that keeps everything) and "all_full" (every visited
+  block run as a full one, no mask_mod at all).
 
 Only partial blocks evaluate the mask_mod, so the difference shows where they are a larger
-share. Outputs of the two forms are compared (they must be equal bit for bit).
+share: ragged layouts (`--ragged P_cap,R_cap,seed ...`, bench ragged's cases). Outputs of the
+exact forms are compared (they must be equal bit for bit).
 
     python -m dualkv_compile.tools.bench mask-forms --backend flash --out docs/results/mask_forms_h100
+    python -m dualkv_compile.tools.bench mask-forms --ragged 2048,512,1 2048,512,0 \
+        --bounds --varlen --out docs/results/mask_forms_ragged_h200
+
+(With --ragged, the aligned shapes run only when --shapes is given.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
 from dualkv_compile import pack
-from dualkv_compile.attention.op import _flex
-from dualkv_compile.attention.block_mask import _token_intervals, shared_prefix_block_mask
+from dualkv_compile.attention.block_mask import (_classify_blocks, _to_indices, _token_intervals,
+                                                 shared_prefix_block_mask)
 from dualkv_compile.attention.kernel_options import kernel_options_for
+from dualkv_compile.attention.op import _flex
 from dualkv_compile.recompiles import bounded_recompiles
 from dualkv_compile.tools._common import (add_shapes_argument, environment,
                                           interleaved_medians, write_results)
 
 DEFAULT_SHAPES = ["32,4096,1024", "64,2048,512", "32,8192,1024"]
+EXACT = ("visible_until", "segments", "intervals")
+
+
+def segment_mask_mod(segment_ids, prefix_segment_ids):
+    def shared_prefix_segments(b, h, q_idx, kv_idx):
+        seg_kv = segment_ids[kv_idx]
+        same = seg_kv == segment_ids[q_idx]
+        return (kv_idx <= q_idx) & (same | (seg_kv == prefix_segment_ids[q_idx]))
+
+    return shared_prefix_segments
 
 
 def interval_mask_mod(prefix_lo, prefix_hi, own_lo):
@@ -38,35 +60,73 @@ def interval_mask_mod(prefix_lo, prefix_hi, own_lo):
     return shared_prefix_intervals
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shapes_argument(ap, DEFAULT_SHAPES)
-    ap.add_argument("--backend", choices=["flash", "triton"], default="flash")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("this benchmark needs a CUDA GPU")
+def _no_op_mask_mod(b, h, q_idx, kv_idx):
+    return kv_idx >= 0
+
+
+def block_masks(pb, dev, bounds: bool) -> dict:
+    """{form: BlockMask}, all with the library's block lists."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    hq, hkv, d, dev, dt = 32, 8, 128, "cuda", torch.bfloat16
-    meta = {**environment(), "backend": args.backend, "hq": hq, "hkv": hkv, "d": d,
-            "dtype": "bfloat16", "rounds": args.rounds}
-    options = kernel_options_for(torch.device(dev), None, head_dim=d, gqa=hq // hkv, dtype=dt,
-                                 attention_backend=args.backend)
-    rows = []
+    lib = shared_prefix_block_mask(pb, dev)
+    lists = (lib.kv_num_blocks, lib.kv_indices, lib.full_kv_num_blocks, lib.full_kv_indices)
+
+    def with_mod(mod, blocks=lists):
+        return BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=lib.BLOCK_SIZE, mask_mod=mod,
+                                        seq_lengths=(pb.seq_len, pb.seq_len))
+
+    lo, hi, own = (x.to(torch.int32) for x in _token_intervals(pb, dev))
+    seg, pre = (x[0].to(dev) for x in (pb.segment_ids, pb.prefix_segment_ids))
+    masks = {"visible_until": lib, "segments": with_mod(segment_mask_mod(seg, pre)),
+             "intervals": with_mod(interval_mask_mod(lo, hi, own))}
+    if bounds:
+        partial, full = _classify_blocks(pb, torch.device(dev))
+        masks["no_op"] = with_mod(_no_op_mask_mod)
+        masks["all_full"] = with_mod(lib.mask_mod, (*_to_indices(torch.zeros_like(partial)),
+                                                    *_to_indices(partial | full)))
+    return masks
+
+
+def _layouts(args, dev):
+    """(label, PackedBatch on dev, padding mask or None) per case."""
     for n, p, r in args.shapes:
         tokens = torch.cat([torch.randint(1, 1000, (1, p)).expand(n, p),
                             torch.randint(1, 1000, (n, r))], dim=1).to(dev)
-        pb = pack(tokens, prompt_len=p, group_size=n)
-        seg_mask = shared_prefix_block_mask(pb, dev)
-        lo, hi, own = (x.to(torch.int32) for x in _token_intervals(pb, dev))
-        kv_num, kv_idx, full_num, full_idx = (seg_mask.kv_num_blocks, seg_mask.kv_indices,
-                                              seg_mask.full_kv_num_blocks, seg_mask.full_kv_indices)
-        int_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx,
-                                            BLOCK_SIZE=seg_mask.BLOCK_SIZE,
-                                            mask_mod=interval_mask_mod(lo, hi, own),
-                                            seq_lengths=(pb.seq_len, pb.seq_len))
+        yield f"{n},{p},{r}", pack(tokens, prompt_len=p, group_size=n), None
+    for case in args.ragged:
+        from dualkv_compile.tools.bench_ragged import ragged_case
+
+        p_cap, r_cap, seed = (int(x) for x in case.split(","))
+        tokens, mask, p, n, prompts, _ = ragged_case(seed, p_cap, r_cap, args.max_tokens)
+        label = f"ragged {p_cap},{r_cap} seed {seed} ({len(prompts)} x {n})"
+        yield label, pack(tokens.to(dev), prompt_len=p, padding_mask=mask.to(dev)), mask
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shapes_argument(ap, DEFAULT_SHAPES)
+    ap.add_argument("--ragged", nargs="*", default=[], help="P_cap,R_cap,seed cases")
+    ap.add_argument("--max-tokens", type=int, default=262144)
+    ap.add_argument("--backend", choices=["flash", "triton"], default="flash")
+    ap.add_argument("--bounds", action="store_true", help="also time no_op and all_full")
+    ap.add_argument("--varlen", action="store_true",
+                    help="also time FA4's varlen kernel on the ragged rows (x ideal)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rep-ms", type=int, default=3000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.ragged and "--shapes" not in (sys.argv[1:] if argv is None else argv):
+        args.shapes = []
+    if not torch.cuda.is_available():
+        ap.error("this benchmark needs a CUDA GPU")
+
+    hq, hkv, d, dev, dt = 32, 8, 128, "cuda", torch.bfloat16
+    meta = {**environment(), "backend": args.backend, "hq": hq, "hkv": hkv, "d": d,
+            "dtype": "bfloat16", "rounds": args.rounds, "rep_ms": args.rep_ms}
+    options = kernel_options_for(torch.device(dev), None, head_dim=d, gqa=hq // hkv, dtype=dt,
+                                 attention_backend=args.backend)
+    rows, cases = [], len(args.shapes) + len(args.ragged)
+    for label, pb, padding in _layouts(args, dev):
         t = pb.seq_len
         q, k, v = (torch.randn(1, h, t, d, device=dev, dtype=dt, requires_grad=True)
                    for h in (hq, hkv, hkv))
@@ -80,28 +140,45 @@ def main(argv=None):
                 return out
             return run, [q, k, v]
 
-        variants = {"segments": variant(seg_mask), "intervals": variant(int_mask)}
+        variants = {name: variant(m) for name, m in block_masks(pb, dev, args.bounds).items()}
         outs = {}
-        # each mask_mod closure is its own compile: 2 per shape (a limit, not a silent fallback)
-        with bounded_recompiles(4 * len(args.shapes), "the mask-form benchmark"):
+        # each mask_mod closure is its own compile (a limit, not a silent fallback)
+        with bounded_recompiles(2 * len(variants) * cases, "the mask-form benchmark"):
             for name, (fn, _) in variants.items():  # compile, and check the forms agree
                 outs[name] = fn().detach()
                 q.grad = k.grad = v.grad = None
-            ms = interleaved_medians(variants, rounds=args.rounds, warmup_ms=100, rep_ms=3000)
-        row = {"N": n, "P": p, "R": r, "T": t, "ms": ms,
-               "intervals_over_segments": ms["segments"] / ms["intervals"],
-               "outputs_equal": bool(torch.equal(outs["segments"], outs["intervals"]))}
+            if args.varlen and padding is not None:
+                from dualkv_compile.tools.bench_ragged import _varlen
+
+                variants["fa4_varlen"] = _varlen(padding, hq, hkv, d)
+            ms = interleaved_medians(variants, rounds=args.rounds, warmup_ms=100,
+                                     rep_ms=args.rep_ms)
+        row = {"case": label, "T": t, "ideal": pb.pair_reduction, "ms": ms,
+               "speed_up_over_segments": {k: ms["segments"] / v for k, v in ms.items()},
+               "outputs_equal": all(torch.equal(outs["segments"], outs[k]) for k in EXACT)}
+        if "fa4_varlen" in ms:
+            row["x_ideal"] = {k: ms["fa4_varlen"] / v / pb.pair_reduction for k, v in ms.items()
+                              if k != "fa4_varlen"}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    lines = [f"Mask forms, fwd+bwd, {args.backend}, bf16, Hq={hq}, Hkv={hkv}, D={d}, one "
-             f"{meta['gpu']}, torch {meta['torch']}; median of {args.rounds} interleaved rounds.\n",
-             "| N | P | R | segments ms | intervals ms | speed-up | outputs equal |",
-             "|---|---|---|---|---|---|---|"]
+        torch.cuda.empty_cache()
+    write_results(args.out, meta, rows, _table(rows, args, meta))
+
+
+def _table(rows, args, meta) -> str:
+    forms = [k for k in rows[0]["ms"] if k != "fa4_varlen"] if rows else []
+    lines = [f"Mask forms, fwd+bwd, {args.backend}, bf16, Hq=32, Hkv=8, D=128, one {meta['gpu']}, "
+             f"torch {meta['torch']}; median of {args.rounds} interleaved rounds; ms "
+             f"(x ideal against FA4 varlen, where timed). no_op and all_full compute wrong "
+             f"values: bounds.\n",
+             "| case | T | " + " | ".join(forms) + " | exact forms equal |",
+             "|---|---|" + "---|" * len(forms) + "---|"]
     for w in rows:
-        lines.append(f"| {w['N']} | {w['P']} | {w['R']} | {w['ms']['segments']:.2f} | "
-                     f"{w['ms']['intervals']:.2f} | {w['intervals_over_segments']:.3f}x | "
-                     f"{w['outputs_equal']} |")
-    write_results(args.out, meta, rows, "\n".join(lines) + "\n")
+        cells = [f"{w['ms'][f]:.2f}" + (f" ({w['x_ideal'][f]:.2f})" if "x_ideal" in w else "")
+                 for f in forms]
+        lines.append(f"| {w['case']} | {w['T']} | " + " | ".join(cells)
+                     + f" | {w['outputs_equal']} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ from dualkv_compile.attention.block_mask import (
     dense_mask,
     shared_prefix_block_mask,
     shared_prefix_mask_mod,
+    visible_until,
 )
 from dualkv_compile.reference import reference_shared_prefix_attention
 from dualkv_compile.testing import make_batch, random_qkv, rel_err
-from dualkv_compile.tools.bench_mask_forms import interval_mask_mod
+from dualkv_compile.tools.bench_mask_forms import interval_mask_mod, segment_mask_mod
 
 
 def row_oracle_mask(pb, mask):
@@ -46,9 +47,11 @@ def check_layout(tokens, mask, p):
     assert torch.equal(dense, row_oracle_mask(pb, mask))
     t = pb.seq_len
     idx = torch.arange(t)
-    mod = shared_prefix_mask_mod(pb.segment_ids[0], pb.prefix_segment_ids[0])
+    mod = shared_prefix_mask_mod(visible_until(pb, "cpu"))
     assert torch.equal(mod(0, 0, idx[:, None], idx[None, :]), dense)
-    # the interval form the mask-form benchmark times against it means the same
+    # the forms the mask-form benchmark times against it mean the same
+    segments = segment_mask_mod(pb.segment_ids[0], pb.prefix_segment_ids[0])
+    assert torch.equal(segments(0, 0, idx[:, None], idx[None, :]), dense)
     intervals = interval_mask_mod(*_token_intervals(pb, "cpu"))
     assert torch.equal(intervals(0, 0, idx[:, None], idx[None, :]), dense)
 
@@ -113,3 +116,26 @@ def test_block_mask_needs_t_multiple_of_block():
     pb = pack(tokens, prompt_len=p, padding_mask=mask, pad_to=8)
     with pytest.raises(ValueError, match="multiple of 128, got T=8"):
         shared_prefix_block_mask(pb, "cpu")
+
+
+@pytest.mark.parametrize("broken", ["segment", "group", "prompt"])
+def test_visible_until_rejects_layouts_it_cannot_describe(broken):
+    """The one-table mask relies on pack()'s layout (each segment and each group one run,
+    prompt first); a layout without it raises instead of masking wrongly."""
+    tokens, mask, p = make_batch([40, 30], [[20, 10], [15, 5]],
+                                 generator=torch.Generator().manual_seed(0))
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    seg, pre = pb.segment_ids[0], pb.prefix_segment_ids[0]
+    # layout: prompt 0 = tokens 0-39, responses 40-59 and 60-69; prompt 3 = 70-99, ...
+    assert seg[0] == 0 and seg[45] == 1 and seg[65] == 2 and seg[75] == 3 == pre[110]
+    if broken == "segment":  # the first token moved into the first response's segment
+        seg[0] = 1
+        match = "segment of this layout is split"
+    elif broken == "group":  # a token of the first response claimed by the second group
+        pre[45] = 3
+        match = "group of this layout is split"
+    else:  # the first group's second response claimed by the second group, before its prompt
+        pre[60:70] = 3
+        match = "does not start with its prompt"
+    with pytest.raises(ValueError, match=match):
+        visible_until(pb, "cpu")
