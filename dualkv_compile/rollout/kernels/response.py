@@ -175,12 +175,15 @@ def response_and_merge_op(q: Tensor, resp_k: Tensor, resp_v: Tensor, last: Tenso
     rep = hq // hkv
     run_keys = keys_per_program(rows, hkv, capacity)
     runs = -(-capacity // run_keys)
-    ro = torch.empty(rows, runs, hq, d, dtype=torch.float32, device=q.device)
-    rl = torch.empty(rows, runs, hq, dtype=torch.float32, device=q.device)
+    final = runs == 1  # the response kernel merges, where one run takes all the keys
+    # the response partials (none are written when the response kernel merges)
+    ro = torch.empty((rows, runs, hq, d) if not final else (1, 1, 1, 1), dtype=torch.float32,
+                     device=q.device)
+    rl = torch.empty((rows, runs, hq) if not final else (1, 1, 1), dtype=torch.float32,
+                     device=q.device)
     out = torch.empty_like(q)
     po = prompt_out if prompt_out.stride(-1) == 1 else prompt_out.contiguous()
     pl = prompt_lse
-    final = runs == 1  # the response kernel merges, where one run takes all the keys
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _response_kernel[(rows, hkv, runs)](
             q, resp_k, resp_v, last, ro, rl, po, pl, out, scale, run_keys, samples, pieces,
