@@ -63,9 +63,10 @@ def _spans(ids: Tensor, num: int) -> tuple[Tensor, Tensor]:
 
 
 def visible_until(packed: PackedBatch, device) -> Tensor:
-    """int32 [T]: key kv is seen by queries kv..visible_until[kv]-1 of its group (the mask_mod's
-    table). Raises if a segment or a group is not one run of tokens that starts with the
-    group's prompt, the layout the table relies on (every pack() layout is)."""
+    """int32 [T]: key kv is seen by queries kv..visible_until[kv]-1 (the mask_mod's table): to
+    the end of its group for a prompt key, of its own segment for any other. Raises if a segment
+    or a group is not one run of tokens that starts with the group's prompt, the layout the
+    table relies on (every pack() layout is)."""
     def build():
         seg = packed.segment_ids[0].to(device=device, dtype=torch.long)
         group = packed.prefix_segment_ids[0].to(device=device, dtype=torch.long)  # prompt's id
