@@ -10,14 +10,19 @@ Variants, timed in interleaved rounds in one process:
 - fa4_varlen: flash-attn-4's varlen causal kernel on the replicated rows with the padding
   removed (the remove-padding path veRL and TRL users run): the baseline;
 - cudnn_dense: cuDNN causal SDPA on the padded [B, L] rows;
-- ours_<kernel>: shared_prefix_attention on the packed batch.
+- ours_<kernel>: shared_prefix_attention on the packed batch, q/k/v given as a model's
+  projections give them: token-major views ([1, T, H, D] memory, transposed); with
+  `--input-layouts token head` also ours_<kernel>_head on contiguous head-major [1, H, T, D]
+  tensors (faster, docs/performance.md, but not what a model's attention is given).
 ideal = varlen pairs / packed pairs (PackedBatch.pair_reduction); "x ideal" = (fa4_varlen ms /
 ours ms) / ideal, so 1.0 means a packed pair costs what a varlen pair does.
 
 Each row also counts 128 x 128 tiles (`tiles`, on the CPU): those the shared-prefix BlockMask
 visits, how many of them are partial (a mask_mod per element), and those a causal varlen
 kernel visits over the rows. tiles varlen / tiles ours / ideal is what a kernel of equal
-per-tile speed would reach. `--tiles-only` prints that table without a GPU.
+per-tile speed would reach. `--tiles-only` prints that table without a GPU, with the same
+bound for other layouts of each case (segments padded to block boundaries, finer query blocks;
+tools/ragged_tiles.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.testing import make_batch
 from dualkv_compile.tools._common import environment, interleaved_medians, write_results
+from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
 
@@ -95,13 +101,19 @@ def _dense(mask, hq, hkv, d):
     return run, x
 
 
-def _ours(pb, kernel, hq, hkv, d):
-    x = [torch.randn(1, h, pb.seq_len, d, device="cuda", dtype=torch.bfloat16,
-                     requires_grad=True) for h in (hq, hkv, hkv)]
-    gout = torch.randn(1, hq, pb.seq_len, d, device="cuda", dtype=torch.bfloat16)
+def _ours(pb, kernel, hq, hkv, d, layout="token"):
+    """fwd+bwd of shared_prefix_attention; `layout` "token": q/k/v and the output gradient are
+    transposed views of [1, T, H, D] tensors, as a model's projections give them; "head":
+    contiguous [1, H, T, D] tensors."""
+    token = layout == "token"
+    shape = lambda h: (1, pb.seq_len, h, d) if token else (1, h, pb.seq_len, d)  # noqa: E731
+    view = lambda t: t.transpose(1, 2) if token else t  # noqa: E731
+    x = [torch.randn(shape(h), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+         for h in (hq, hkv, hkv)]
+    gout = view(torch.randn(shape(hq), device="cuda", dtype=torch.bfloat16))
 
     def run():
-        shared_prefix_attention(*x, pb, attention_backend=kernel).backward(gout)
+        shared_prefix_attention(*map(view, x), pb, attention_backend=kernel).backward(gout)
     run()  # compiles once per packed-length bucket
     return run, x
 
@@ -112,7 +124,8 @@ def run_case(seed, p_cap, r_cap, args) -> dict:
     tiles = tile_counts(on_cpu, mask)
     if args.tiles_only:
         return {"seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
-                "ideal": on_cpu.pair_reduction, "tiles": tiles}
+                "ideal": on_cpu.pair_reduction, "tiles": tiles,
+                "layout_bounds": layout_bounds(prompts, responses)}
     pb = pack(tokens.cuda(), prompt_len=p, padding_mask=mask.cuda())
     row = {"tiles": tiles, "seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
            "prompt_lengths": prompts, "mean_response": sum(map(sum, responses)) / (len(prompts) * n),
@@ -123,7 +136,8 @@ def run_case(seed, p_cap, r_cap, args) -> dict:
     variants = {}
     for name, build in [("fa4_varlen", lambda: _varlen(mask, *dims)),
                         ("cudnn_dense", lambda: _dense(mask, *dims))] + [
-            (f"ours_{k}", lambda k=k: _ours(pb, k, *dims)) for k in args.kernels]:
+            (name, lambda k=k, lay=lay: _ours(pb, k, *dims, lay))
+            for name, k, lay in _ours_variants(args)]:
         try:
             variants[name] = build()
         except (torch.OutOfMemoryError, RuntimeError, ImportError) as e:
@@ -132,22 +146,30 @@ def run_case(seed, p_cap, r_cap, args) -> dict:
                                         rep_ms=args.rep_ms).items():
         row[name] = {"ms": ms}
     base = row.get("fa4_varlen", {}).get("ms")
-    for k in args.kernels:
-        ours = row.get(f"ours_{k}", {}).get("ms")
+    for name, _, _ in _ours_variants(args):
+        ours = row.get(name, {}).get("ms")
         if base and ours:
-            row[f"ours_{k}"]["x_ideal"] = base / ours / pb.pair_reduction
+            row[name]["x_ideal"] = base / ours / pb.pair_reduction
     return row
 
 
-def _table(rows, kernels) -> str:
+def _ours_variants(args):
+    """[(result key, kernel, input layout)] of ours."""
+    return [(f"ours_{k}" + ("" if lay == "token" else f"_{lay}"), k, lay)
+            for k in args.kernels for lay in args.input_layouts]
+
+
+def _table(rows, args) -> str:
+    variants = _ours_variants(args)
     head = ("| P cap | R cap | seed | groups x N | ideal | FA4 varlen ms | cuDNN dense ms | "
-            + " | ".join(f"{k} ms (x ideal)" for k in kernels) + " |")
+            + " | ".join(f"{k}{'' if lay == 'token' else ' (head-major)'} ms (x ideal)"
+                         for _, k, lay in variants) + " |")
     lines = ["Ragged shared-prefix attention, fwd+bwd, bf16\n", head,
-             "|" + "---|" * (7 + len(kernels))]
+             "|" + "---|" * (7 + len(variants))]
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for r in rows:
-        ours = [f"{fmt(r.get(f'ours_{k}', {}).get('ms'))} "
-                f"({fmt(r.get(f'ours_{k}', {}).get('x_ideal'))})" for k in kernels]
+        ours = [f"{fmt(r.get(name, {}).get('ms'))} ({fmt(r.get(name, {}).get('x_ideal'))})"
+                for name, _, _ in variants]
         lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['groups']} x {r['N']} | "
                      f"{r['ideal']:.2f} | {fmt(r.get('fa4_varlen', {}).get('ms'))} | "
                      f"{fmt(r.get('cudnn_dense', {}).get('ms'))} | " + " | ".join(ours) + " |")
@@ -155,14 +177,19 @@ def _table(rows, kernels) -> str:
 
 
 def _tiles_table(rows) -> str:
-    lines = ["128 x 128 tiles per case: the packed BlockMask's against a causal varlen kernel's\n",
+    lines = ["128 x 128 tiles per case: the packed BlockMask's against a causal varlen kernel's; "
+             "then, for other layouts, the bound (varlen tile area / ours / ideal) and the partial "
+             "share of the visited area (tools/ragged_tiles.py)\n",
              "| P cap | R cap | seed | groups x N | ideal | tiles ours (partial) | tiles varlen | "
-             "varlen / ours / ideal |", "|---|---|---|---|---|---|---|---|"]
+             "varlen / ours / ideal | " + " | ".join(LAYOUTS) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(LAYOUTS)]
     for r in rows:
         t = r["tiles"]
         lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['groups']} x {r['N']} | "
                      f"{r['ideal']:.2f} | {t['ours']} ({t['partial'] / t['ours']:.0%}) | "
-                     f"{t['varlen']} | {t['varlen'] / t['ours'] / r['ideal']:.2f} |")
+                     f"{t['varlen']} | {t['varlen'] / t['ours'] / r['ideal']:.2f} | "
+                     + " | ".join(f"{b['bound']:.2f} ({b['partial']:.0%})"
+                                  for b in r["layout_bounds"].values()) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,6 +200,8 @@ def main(argv=None):
                     help="P_cap,R_cap pairs")
     ap.add_argument("--kernels", nargs="+", default=["auto"],
                     help="attention kernels of ours (DualKVConfig.attention_backend values)")
+    ap.add_argument("--input-layouts", nargs="+", choices=["token", "head"], default=["token"],
+                    help="q/k/v memory layouts to time ours with (token: a model's)")
     ap.add_argument("--max-tokens", type=int, default=262144,
                     help="replicated tokens per micro-batch at most")
     ap.add_argument("--heads", type=int, default=32)
@@ -198,8 +227,9 @@ def main(argv=None):
             torch.cuda.empty_cache()
     meta = environment() | {"dtype": "bfloat16", "heads": args.heads, "kv_heads": args.kv_heads,
                             "head_dim": args.head_dim, "rounds": args.rounds,
-                            "rep_ms": args.rep_ms, "max_tokens": args.max_tokens}
-    write_results(args.out, meta, rows, _table(rows, args.kernels))
+                            "rep_ms": args.rep_ms, "max_tokens": args.max_tokens,
+                            "input_layouts": args.input_layouts}
+    write_results(args.out, meta, rows, _table(rows, args))
 
 
 if __name__ == "__main__":
