@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from tqdm import tqdm
 
@@ -34,8 +34,8 @@ import dualkv_compile as dk
 from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
                                peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
-from dualkv_compile.rl.recipe_config import parse_checked
-from dualkv_compile.rl.run_guard import StopOnSignal, check_output_dir, load_checkpoint
+from dualkv_compile.rl.recipe_config import ConfigError, instantiate_checked, parse_checked
+from dualkv_compile.rl.run_guard import StopOnSignal, apply_config_changes, prepare_output_dir
 from dualkv_compile.rollout import RolloutEngine, plan_calls
 from dualkv_compile.rollout.sampling import stop_mask
 from dualkv_compile.rollout.weights import gathered_weights
@@ -53,32 +53,40 @@ class GRPORecipe:
         per_rank, rest = divmod(cfg.groups_per_step, self.world_size)
         by_groups = cfg.get("max_tokens_per_micro_batch") is None
         if rest or (by_groups and per_rank % cfg.micro_batch_groups):
-            raise ValueError(f"groups_per_step={cfg.groups_per_step} must split into "
-                             f"{self.world_size} rank(s) x whole micro-batches of "
-                             f"micro_batch_groups={cfg.micro_batch_groups}")
+            raise ConfigError([f"groups_per_step={cfg.groups_per_step} must split into "
+                               f"{self.world_size} rank(s) x whole micro-batches of "
+                               f"micro_batch_groups={cfg.micro_batch_groups}"])
         self.groups_per_rank = per_rank
         self.dtype = _DTYPES[cfg.dtype]
         self.output_dir = Path(cfg.output_dir)
         self.history: list[dict] = []  # the logged metrics, for tests
         self.step = 0
+        self.saved_step: int | None = None  # the step of the last checkpoint written
         self.stopped_by: int | None = None  # the signal that ended the run early
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self):
         cfg = self.cfg
-        # before any work: a checkpoint in output_dir is continued or replaced only when asked
-        check_output_dir(self._checkpoint_path(), resume=bool(cfg.resume_from_checkpoint),
-                         overwrite=bool(cfg.get("overwrite_output_dir", False)))
+        # before any work: a checkpoint in output_dir is continued or replaced only when asked,
+        # and one to continue is read (memory-mapped) and checked against this config
+        self.plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+        self.resume_state, self.config_changes = prepare_output_dir(
+            self._checkpoint_path(), resume=bool(cfg.resume_from_checkpoint),
+            overwrite=bool(cfg.get("overwrite_output_dir", False)), num_steps=cfg.num_steps,
+            world_size=self.world_size, config=self.plain_cfg, rank=self.rank,
+            weight_dirs=[Path(d) for d in [(cfg.get("checkpointer") or {}).get("output_dir")] if d])
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.tokenizer = config.instantiate(cfg.tokenizer)
+        self.tokenizer = instantiate_checked("tokenizer", cfg.tokenizer)
         self.task = config.instantiate(cfg.task, tokenizer=self.tokenizer)
         with self.device:  # initialise on the device: random init of GPU-sized models is fast there
-            self.model = config.instantiate(cfg.model)
+            self.model = instantiate_checked("model", cfg.model)
         # a torchtune checkpointer (e.g. dualkv_compile.models.Qwen3HFCheckpointer) loads the
         # starting weights and writes the trained ones in the source format
-        self.checkpointer = config.instantiate(cfg.checkpointer) if cfg.get("checkpointer") else None
+        self.checkpointer = (instantiate_checked("checkpointer", cfg.checkpointer)
+                             if cfg.get("checkpointer") else None)
         if self.checkpointer is not None:
-            self.model.load_state_dict(self.checkpointer.load_checkpoint()["model"], strict=True)
+            weights = instantiate_checked("checkpointer", self.checkpointer.load_checkpoint)
+            self.model.load_state_dict(weights["model"], strict=True)
         self.model.to(device=self.device, dtype=self.dtype)
         self.ref_model = ddp.reference_copy(self.model)  # shaped like the policy: shared compiles
         if cfg.get("enable_activation_checkpointing", False):
@@ -128,6 +136,7 @@ class GRPORecipe:
         model, optimizer = ddp.full_state_dicts(self.model, self.optimizer)
         ref, _ = ddp.full_state_dicts(self.ref_model, None)
         rngs = ddp.gather_objects((self.rng.get_state(), torch.get_rng_state()))
+        self.saved_step = self.step  # on every rank: they decide alike whether to save again
         if self.rank != 0:
             return
         # written aside, then renamed: a crash mid-write leaves the previous checkpoint whole,
@@ -135,18 +144,16 @@ class GRPORecipe:
         path = self._checkpoint_path()
         tmp = path.with_suffix(".tmp")
         torch.save({"model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
-                    "task": self.task.state_dict(), "rngs": rngs}, tmp)
+                    "task": self.task.state_dict(), "rngs": rngs, "config": self.plain_cfg}, tmp)
         tmp.replace(path)
         if self.checkpointer is not None:
             self.checkpointer.save_checkpoint({"model": model}, epoch=self.step)
 
     def _load_checkpoint(self):
-        path = self._checkpoint_path()
-        state = load_checkpoint(path, num_steps=self.cfg.num_steps)
-        if len(state["rngs"]) != self.world_size:
-            raise ValueError(f"{path} was written by {len(state['rngs'])} rank(s); resume it "
-                             f"with the same number, not {self.world_size}")
+        state, self.resume_state = self.resume_state, None  # read and checked in setup()
         ddp.load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
+        apply_config_changes(self.optimizer, self.config_changes, step=state["step"],
+                             announce=self.rank == 0)
         ddp.load_full_state_dicts(self.ref_model, None, state["ref_model"], None)
         self.task.load_state_dict(state["task"])
         rng, torch_rng = state["rngs"][self.rank]
@@ -333,7 +340,8 @@ class GRPORecipe:
         checkpoint; `stopped_by` then holds the signal (recipe_main exits 128 + it)."""
         with StopOnSignal() as stop:
             self._train(stop)
-        if self.stopped_by is None and self.cfg.get("save_final_checkpoint", True):
+        if (self.stopped_by is None and self.cfg.get("save_final_checkpoint", True)
+                and self.saved_step != self.step):  # (unless this step's was just written)
             self.save_checkpoint()
 
     def _train(self, stop: StopOnSignal):
@@ -353,8 +361,8 @@ class GRPORecipe:
                 stop.signum = int(ddp.all_max(stop.signum or 0)[0]) or None
             if stop.signum is not None:
                 self.stopped_by = stop.signum
-                if not (self.cfg.save_every and self.step % self.cfg.save_every == 0):
-                    self.save_checkpoint()  # (unless this step's was just written)
+                if self.saved_step != self.step:  # (unless this step's was just written)
+                    self.save_checkpoint()
                 if self.rank == 0:
                     print(f"stopped by signal {stop.signum} after step {self.step}; "
                           f"checkpoint in {self._checkpoint_path()}", flush=True)

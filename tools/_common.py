@@ -1,15 +1,21 @@
-"""Shared by the benchmarks: the N,P,R shape argument and the environment record."""
+"""Shared by the benchmarks and the CLI: the N,P,R shape argument, the environment record and
+the check of an --out path."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+from pathlib import Path
 
 import torch
 
-__all__ = ["add_shapes_argument", "environment", "interleaved_medians", "write_results"]
+from .models import CliError
+
+__all__ = ["add_shapes_argument", "check_out_path", "environment", "interleaved_medians",
+           "write_results"]
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -20,6 +26,31 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
     if min(n, p, r) < 1:
         raise argparse.ArgumentTypeError(f"shape {text!r}: N, P and R must be positive")
     return n, p, r
+
+
+def check_out_path(out: str, *, folder: bool) -> Path:
+    """--out, checked before any work is done: a file (folder=False) must not be a directory
+    and its directory must exist; a folder (folder=True) may exist as a directory or will be
+    created under its nearest existing ancestor. That directory must be writable. CliError
+    otherwise (a write can still fail: callers turn OSError into CliError too)."""
+    path = Path(out)
+    if folder:
+        if path.exists() and not path.is_dir():
+            raise CliError(f"--out {out}: exists and is not a directory")
+        base = path
+        while not base.exists():  # the folder is made with its missing parents
+            base = base.parent
+    else:
+        if path.is_dir():
+            raise CliError(f"--out {out}: is a directory; name a file")
+        base = path.parent
+    if not base.exists():
+        raise CliError(f"no such directory: {base}")
+    if not base.is_dir():
+        raise CliError(f"--out {out}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise CliError(f"--out {out}: the directory {base} is not writable")
+    return path
 
 
 def add_shapes_argument(ap: argparse.ArgumentParser, defaults: list[str]) -> None:

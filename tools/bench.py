@@ -36,11 +36,19 @@ SUITE = {
 }
 
 
-def run(name: str, argv: list[str]) -> None:
+def run(name: str, argv: list[str], prog: str | None = None) -> None:
+    """Run benchmark `name` with `argv`; its usage and errors name it as `prog` (default:
+    `dualkv bench NAME`)."""
     if name not in SUITE:
         raise SystemExit(f"unknown benchmark {name!r}; choose one of {sorted(SUITE)}")
     module, fixed = SUITE[name]
-    importlib.import_module(module).main(fixed + list(argv))
+    # the benchmarks' ArgumentParsers take their prog from sys.argv[0]
+    saved = sys.argv
+    sys.argv = [prog or f"dualkv bench {name}", *sys.argv[1:]]
+    try:
+        importlib.import_module(module).main(fixed + list(argv))
+    finally:
+        sys.argv = saved
 
 
 def main(argv=None) -> None:
@@ -48,7 +56,7 @@ def main(argv=None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
-    run(argv[0], argv[1:])
+    run(argv[0], argv[1:], prog=f"python -m dualkv_compile.tools.bench {argv[0]}")
 
 
 if __name__ == "__main__":

@@ -193,11 +193,23 @@ def _tiles_table(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _parse_caps(text: str) -> tuple[int, int]:
+    """--caps "P_cap,R_cap": two positive integers (argparse reports the error)."""
+    try:
+        p_cap, r_cap = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"caps {text!r} must be P_cap,R_cap (two integers)")
+    if min(p_cap, r_cap) < 1:
+        raise argparse.ArgumentTypeError(f"caps {text!r}: P_cap and R_cap must be positive")
+    return p_cap, r_cap
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--caps", nargs="+", default=[f"{p},{r}" for p, r in CAPS],
-                    help="P_cap,R_cap pairs")
+    ap.add_argument("--caps", type=_parse_caps, nargs="+", default=list(CAPS),
+                    metavar="P_cap,R_cap", help="prompt and response length caps (default: "
+                    + " ".join(f"{p},{r}" for p, r in CAPS) + ")")
     ap.add_argument("--kernels", nargs="+", default=["auto"],
                     help="attention kernels of ours (DualKVConfig.attention_backend values)")
     ap.add_argument("--input-layouts", nargs="+", choices=["token", "head"], default=["token"],
@@ -214,14 +226,13 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tiles_only:
-        rows = [run_case(seed, *(int(x) for x in caps.split(",")), args)
-                for caps in args.caps for seed in args.seeds]
+        rows = [run_case(seed, p_cap, r_cap, args)
+                for p_cap, r_cap in args.caps for seed in args.seeds]
         return write_results(args.out, {"tiles_only": True}, rows, _tiles_table(rows))
     if not torch.cuda.is_available():
         raise SystemExit("the ragged attention benchmark needs a CUDA GPU")
     rows = []
-    for caps in args.caps:
-        p_cap, r_cap = (int(x) for x in caps.split(","))
+    for p_cap, r_cap in args.caps:
         for seed in args.seeds:
             rows.append(run_case(seed, p_cap, r_cap, args))
             torch.cuda.empty_cache()

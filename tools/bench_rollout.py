@@ -187,6 +187,8 @@ def main(argv=None):
                          "CUDA graphs) of each engine variant to PATH_<variant>_...txt")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("this benchmark needs a CUDA GPU")
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = qwen3_8b(num_layers=args.layers, max_seq_len=16384)

@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Runs one benchmark; the arguments after its name are "
                                       "passed to it (`dualkv bench attention --help`).")
     bch.add_argument("name", choices=sorted(SUITE))
-    bch.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    rest = bch.add_argument("rest", nargs=argparse.REMAINDER,
+                            help="the benchmark's own arguments")
+    rest.required = False  # argparse marks REMAINDER required; none is fine (`bench NAME`)
     return ap
 
 

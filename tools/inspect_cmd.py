@@ -10,6 +10,7 @@ import dualkv_compile as dk
 from dualkv_compile.passes._common import Refusal
 from dualkv_compile.testing import make_batch
 
+from ._common import check_out_path
 from .graph_text import attention_region_svg, graph_text
 from .models import CliError, build_model
 
@@ -31,8 +32,18 @@ def _head_dim(model) -> int | None:
     return getattr(attn, "head_dim", None)
 
 
+def _write(folder: Path, stages, refusal) -> None:
+    """Each stage's graph as text, and the attention region's SVG when nothing was refused."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (stage, text, gm) in enumerate(stages):
+        (folder / f"{i}_{stage}.txt").write_text(text)
+    if stages and refusal is None:
+        (folder / "attention_region.svg").write_text(attention_region_svg(stages[-1][2]))
+
+
 def run_inspect(args, out=print) -> int:
-    model = build_model(args.model, args.layers)
+    folder = check_out_path(args.out, folder=True) if args.out else None
+    model = build_model(args.model, args.layers, positions=args.prompt_len + args.response_len)
     vocab = model.get_output_embeddings().weight.shape[0] if hasattr(
         model, "get_output_embeddings") else model.tok_embeddings.num_embeddings
     g = torch.Generator().manual_seed(0)
@@ -78,14 +89,11 @@ def run_inspect(args, out=print) -> int:
         out(f"{key}: {dk.counters[key]}")
     if refusal is not None:
         out(f"\nrefused: {refusal}")
-    if args.out:
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        for i, (stage, text, gm) in enumerate(stages):
-            (folder / f"{i}_{stage}.txt").write_text(text)
-        final = stages[-1][2] if stages else None
-        if final is not None and refusal is None:
-            (folder / "attention_region.svg").write_text(attention_region_svg(final))
+    if folder is not None:
+        try:
+            _write(folder, stages, refusal)
+        except OSError as e:
+            raise CliError(f"--out {args.out}: cannot write: {e}") from None
         out(f"\nwrote {len(stages)} graph file(s)"
             + ("" if refusal is not None else " and attention_region.svg") + f" to {folder}")
     return 1 if refusal is not None else 0

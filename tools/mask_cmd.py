@@ -13,6 +13,9 @@ from dualkv_compile.attention.block_mask import BLOCK_SIZE, block_classes
 from dualkv_compile.attention.flash_causal import block_aligned
 from dualkv_compile.testing import make_batch
 
+from ._common import check_out_path
+from .models import CliError
+
 __all__ = ["run_mask", "write_png"]
 
 _COLOURS = {0: (255, 255, 255), 1: (244, 162, 97), 2: (38, 70, 83)}  # empty, partial, full
@@ -32,20 +35,24 @@ def write_png(path: Path, pixels: torch.Tensor) -> None:
     path.write_bytes(png)
 
 
-# the drawing holds [blocks, blocks] classes and an image of that many pixels a side
+# the drawing holds [blocks, blocks] classes and an image of that many pixels a side (at
+# least); --scale may enlarge the image up to MAX_SIDE pixels a side (50 MB of RGB)
 MAX_BLOCKS = 4096
+MAX_SIDE = 4096
 
 
 def run_mask(args, out=print) -> int:
+    path = check_out_path(args.out, folder=False)
+    # the packed length: every group's prompt once and its responses, rounded up to --pad-to
     tokens_needed = args.groups * (args.prompt_len + args.group_size * args.response_len)
-    if tokens_needed > MAX_BLOCKS * BLOCK_SIZE:
-        from .models import CliError
-
+    padded = -(-tokens_needed // args.pad_to) * args.pad_to
+    if padded > MAX_BLOCKS * BLOCK_SIZE:
         raise CliError(f"--groups {args.groups} --group-size {args.group_size} "
-                       f"-P {args.prompt_len} -R {args.response_len} packs {tokens_needed:,} "
-                       f"tokens ({-(-tokens_needed // BLOCK_SIZE):,} blocks a side); the mask "
-                       f"drawing is bounded at {MAX_BLOCKS} blocks ({MAX_BLOCKS * BLOCK_SIZE:,} "
-                       "tokens): draw fewer groups or shorter sequences")
+                       f"-P {args.prompt_len} -R {args.response_len} --pad-to {args.pad_to} "
+                       f"packs {padded:,} tokens ({padded // BLOCK_SIZE:,} blocks a side); the "
+                       f"mask drawing is bounded at {MAX_BLOCKS} blocks "
+                       f"({MAX_BLOCKS * BLOCK_SIZE:,} tokens): draw fewer groups, shorter "
+                       "sequences or a smaller --pad-to")
     g = torch.Generator().manual_seed(0)
     if args.ragged:
         lengths = [[int(x) for x in torch.randint(0, args.response_len + 1, (args.group_size,),
@@ -59,14 +66,16 @@ def run_mask(args, out=print) -> int:
     total = nb * nb
     full, partial = int((classes == 2).sum()), int((classes == 1).sum())
     scale = args.scale or max(1, min(16, 1024 // nb))
+    if nb * scale > MAX_SIDE:
+        raise CliError(f"--scale {scale}: {nb}x{nb} blocks of {scale} px make {nb * scale:,} px a "
+                       f"side, more than the limit of {MAX_SIDE}: use --scale "
+                       f"{max(1, MAX_SIDE // nb)} or less")
     colours = torch.tensor([_COLOURS[i] for i in range(3)], dtype=torch.uint8)
     pixels = colours[classes.long()].repeat_interleave(scale, 0).repeat_interleave(scale, 1)
-    path = Path(args.out)
-    if not path.parent.is_dir():
-        from .models import CliError
-
-        raise CliError(f"no such directory: {path.parent}")
-    write_png(path, pixels)
+    try:
+        write_png(path, pixels)
+    except OSError as e:
+        raise CliError(f"--out {args.out}: cannot write: {e}") from None
     out(f"T={packed.seq_len} tokens, {nb}x{nb} blocks of {BLOCK_SIZE}; rho={packed.rho:.2f}, "
         f"ideal attention speed-up {packed.pair_reduction:.2f}x")
     out(f"full blocks: {full}, partial blocks: {partial}, empty blocks: {total - full - partial}")

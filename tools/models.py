@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["CliError", "TINY", "PRESETS", "model_dims", "build_model"]
+__all__ = ["CliError", "TINY", "PRESETS", "TINY_MAX_POSITIONS", "model_dims", "build_model"]
 
 TINY = ("qwen2_5", "llama3_2", "hf_qwen3", "hf_llama")
 
@@ -25,10 +25,23 @@ def _qwen3_presets() -> dict[str, dict]:
 PRESETS = _qwen3_presets()
 _TINY_DIMS = dict(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ff=64, vocab=101,
                   tied=True)
+# the tiny families are built with as many positions as the layout needs, up to this (inspect
+# runs the CPU reference attention, whose scores grow with the square of the packed length)
+TINY_MAX_POSITIONS = 8192
+# fields of a decoder config.json that must be positive integers (optional ones when present)
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "vocab_size")
+_OPTIONAL = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 class CliError(Exception):
     """A user error: the CLI prints the message on one line and exits 2."""
+
+
+def _short(e: Exception) -> str:
+    """An exception's message as one line of at most 200 characters."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _hf_config_path(name: str) -> Path | None:
@@ -42,20 +55,42 @@ def _hf_config_path(name: str) -> Path | None:
     return None
 
 
-def _hf_dims(path: Path) -> dict:
+def _read_hf_config(path: Path) -> dict:
+    """The config.json as a dict whose size fields are positive integers."""
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CliError(f"{path} is not valid JSON: {e}") from None
-    try:
-        heads = cfg["num_attention_heads"]
-        return dict(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
-                    kv_heads=cfg.get("num_key_value_heads", heads),
-                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                    ff=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                    tied=bool(cfg.get("tie_word_embeddings", False)))
-    except KeyError as e:
-        raise CliError(f"{path} lacks the field {e.args[0]!r} of a decoder config") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read {path}: {_short(e)}") from None
+    if not isinstance(cfg, dict):
+        raise CliError(f"{path} holds a JSON {type(cfg).__name__}, not an object of config "
+                       "fields")
+    for key in _REQUIRED + _OPTIONAL:
+        if key not in cfg and key in _REQUIRED:
+            raise CliError(f"{path} lacks the field {key!r} of a decoder config")
+        value = cfg.get(key)
+        # bool is an int to Python; JSON's true is no head count
+        if (key in _REQUIRED or value is not None) and (type(value) is not int or value < 1):
+            raise CliError(f"{path}: {key} = {json.dumps(value)} must be a positive integer")
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise CliError(f"{path}: num_attention_heads = {heads} is not a multiple of "
+                       f"num_key_value_heads = {kv_heads}")
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
+        raise CliError(f"{path}: hidden_size = {cfg['hidden_size']} is not a multiple of "
+                       f"num_attention_heads = {heads} (and no head_dim is given)")
+    return cfg
+
+
+def _hf_dims(cfg: dict) -> dict:
+    heads = cfg["num_attention_heads"]
+    return dict(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
+                kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                ff=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                tied=bool(cfg.get("tie_word_embeddings", False)))
 
 
 def _unknown(name: str) -> CliError:
@@ -72,16 +107,29 @@ def model_dims(name: str) -> dict:
     path = _hf_config_path(name)
     if path is None:
         raise _unknown(name)
-    return _hf_dims(path)
+    return _hf_dims(_read_hf_config(path))
 
 
-def build_model(name: str, layers: int | None = None):
+def _check_positions(name: str, positions: int | None, limit: int | None) -> None:
+    if positions is not None and limit is not None and positions > limit:
+        raise CliError(f"prompt + response = {positions} positions, more than {name}'s "
+                       f"maximum of {limit}")
+
+
+def build_model(name: str, layers: int | None = None, positions: int | None = None):
     """A model with random weights: a tiny family, or a transformers causal LM built from a
-    preset or a config.json (attn_implementation='sdpa'), optionally with fewer layers."""
+    preset or a config.json (attn_implementation='sdpa'), optionally with fewer layers.
+    `positions` (prompt + response tokens) is checked against the model's maximum before
+    anything is built."""
     from dualkv_compile.testing import tiny_model
 
     if name in TINY:
-        return tiny_model(name)
+        if layers is not None and layers != _TINY_DIMS["layers"]:
+            raise CliError(f"--layers {layers}: the tiny family {name} has "
+                           f"{_TINY_DIMS['layers']} layers; --layers applies to the presets "
+                           "and config.json models")
+        _check_positions(name, positions, TINY_MAX_POSITIONS)
+        return tiny_model(name, max_seq_len=max(512, positions or 0))
     import transformers as tf
 
     if name in PRESETS:
@@ -94,11 +142,17 @@ def build_model(name: str, layers: int | None = None):
         path = _hf_config_path(name)
         if path is None:
             raise _unknown(name)
-        _hf_dims(path)  # validates the fields
-        cfg = tf.AutoConfig.from_pretrained(str(path.parent))
+        if "model_type" not in _read_hf_config(path):
+            raise CliError(f"{path} lacks the field 'model_type', which names the transformers "
+                           "class to build")
+        try:
+            cfg = tf.AutoConfig.from_pretrained(str(path))
+        except (ValueError, KeyError, OSError) as e:
+            raise CliError(f"transformers cannot read {path}: {_short(e)}") from None
+    _check_positions(name, positions, getattr(cfg, "max_position_embeddings", None))
     if layers is not None:
         cfg.num_hidden_layers = layers
     try:
         return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     except (ValueError, KeyError) as e:
-        raise CliError(f"cannot build a causal LM from {name}: {e}") from None
+        raise CliError(f"cannot build a causal LM from {name}: {_short(e)}") from None

@@ -12,6 +12,8 @@ predicted token.
 
 from __future__ import annotations
 
+import math
+
 from .models import CliError, model_dims
 
 __all__ = ["run_plan", "estimate"]
@@ -54,8 +56,9 @@ def run_plan(args, out=print) -> int:
     for flag, value in (("-N", args.N), ("-P", args.P), ("-R", args.R)):
         if value < 1:
             raise CliError(f"{flag} {value}: must be at least 1")
-    if args.gpu_memory is not None and args.gpu_memory <= 0:
-        raise CliError(f"--gpu-memory {args.gpu_memory}: must be positive")
+    gib = args.gpu_memory  # float("nan") and float("inf") parse, but are no amount of memory
+    if gib is not None and not (math.isfinite(gib) and gib > 0):
+        raise CliError(f"--gpu-memory {args.gpu_memory}: must be a positive, finite number of GiB")
     d = model_dims(args.model)
     e = estimate(d, args.N, args.P, args.R, state_bytes=args.state_bytes)
     out(f"model {args.model}: {e['params'] / 1e9:.2f}B parameters ({d['layers']} layers, "

@@ -242,9 +242,7 @@ def pack(
     b, l = tokens.shape
     if b == 0:
         raise ValueError("tokens has no rows (B=0)")
-    prompt_len = _as_int("prompt_len", prompt_len)
-    if not 1 <= prompt_len <= l:
-        raise ValueError(f"prompt_len={prompt_len} is outside [1, L={l}]")
+    prompt_len = checked_prompt_len(prompt_len, l)
     if not isinstance(pad_to, int) or pad_to < 1:
         raise ValueError(f"pad_to={pad_to!r} must be a positive int")
     check_bucket_growth(bucket_growth)
@@ -283,6 +281,14 @@ def pack(
         )
     return _build(tokens, padding_mask, prompt_len, (pad_to, bucket_growth), group_of_row, p_first,
                   p_len, r_len)
+
+
+def checked_prompt_len(prompt_len, length: int) -> int:
+    """`prompt_len` as an int in [1, length] (the batch's L), else ValueError naming it."""
+    prompt_len = _as_int("prompt_len", prompt_len)
+    if not 1 <= prompt_len <= length:
+        raise ValueError(f"prompt_len={prompt_len} is outside [1, L={length}]")
+    return prompt_len
 
 
 def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> int:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..stats import counters, log_once
+from .packing import _as_int, as_padding_mask, checked_prompt_len
 
 __all__ = ["MicroBatchPlan", "micro_batch_rows", "plan_micro_batches"]
 
@@ -69,19 +70,44 @@ def _parts(group: int, prompt: int, responses: list[int], budget: int, size: int
     return parts
 
 
+def _positive_int(name: str, value) -> int:
+    """An int >= 1 (or a one-element integer tensor holding one), refused by name otherwise."""
+    value = _as_int(name, value)
+    if value < 1:
+        raise ValueError(f"{name}={value} must be a positive int")
+    return value
+
+
+def _checked_batch(padding_mask, prompt_len, group_size) -> tuple[Tensor, int, int]:
+    """The arguments every planner takes, checked as `pack` checks them: the mask as bool
+    [B, L] with B > 0 a multiple of `group_size`, `prompt_len` in [1, L], `group_size` a
+    positive int. Returns (mask, prompt_len, group_size)."""
+    if not isinstance(padding_mask, Tensor) or padding_mask.dim() != 2:
+        raise ValueError(
+            f"padding_mask must be a bool or 0/1 integer tensor [B, L], got "
+            f"{type(padding_mask).__name__} {tuple(getattr(padding_mask, 'shape', ()))}"
+        )
+    mask = as_padding_mask(padding_mask)
+    b, l = mask.shape
+    if b == 0:
+        raise ValueError("padding_mask has no rows (B=0)")
+    prompt_len = checked_prompt_len(prompt_len, l)
+    group_size = _positive_int("group_size", group_size)
+    if b % group_size:
+        raise ValueError(f"{b} rows do not split into groups of group_size={group_size}")
+    return mask, prompt_len, group_size
+
+
 def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int,
                        max_tokens: int) -> MicroBatchPlan:
     """Micro-batches of the rollout batch `padding_mask [B, L]` (True = real token; columns
     before `prompt_len` are the prompt, B a multiple of `group_size`, rows group-major), each
     at most `max_tokens` packed tokens (except a row that alone exceeds it). Whole groups,
     first-fit decreasing by packed size; groups over the budget are split (their prompt
-    computed once per part, logged)."""
-    b = padding_mask.shape[0]
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r} must be a positive int")
-    if group_size < 1 or b % group_size:
-        raise ValueError(f"{b} rows do not split into groups of group_size={group_size}")
-    prompts, responses = _group_costs(padding_mask.bool(), prompt_len, group_size)
+    computed once per part, logged). Bad arguments raise ValueError naming the value."""
+    mask, prompt_len, group_size = _checked_batch(padding_mask, prompt_len, group_size)
+    max_tokens = _positive_int("max_tokens", max_tokens)
+    prompts, responses = _group_costs(mask, prompt_len, group_size)
     items, split = [], []
     for g, (p, rs) in enumerate(zip(prompts, responses)):
         parts = _parts(g, p, rs, max_tokens, group_size)
@@ -104,13 +130,18 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
                           packed_tokens=[used for used, _ in bins], split_groups=split)
 
 
-def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int, groups: int,
-                     max_tokens: int | None) -> list:
+def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int,
+                     groups: int | None, max_tokens: int | None) -> list:
     """The rows of each micro-batch, as indices into the batch: `groups` whole groups each
-    (slices), or by packed-token budget when `max_tokens` is given (index tensors)."""
+    (slices; the last may hold fewer), or by packed-token budget when `max_tokens` is given
+    (index tensors; `groups` is then unused and may be None). Arguments are checked as in
+    `plan_micro_batches`; bad ones raise ValueError naming the value."""
+    mask, prompt_len, group_size = _checked_batch(padding_mask, prompt_len, group_size)
+    if groups is not None or max_tokens is None:
+        groups = _positive_int("groups", groups)
     if max_tokens is None:
         step = groups * group_size
-        return [slice(s, s + step) for s in range(0, padding_mask.shape[0], step)]
-    plan = plan_micro_batches(padding_mask, prompt_len=prompt_len, group_size=group_size,
-                              max_tokens=int(max_tokens))
+        return [slice(s, s + step) for s in range(0, mask.shape[0], step)]
+    plan = plan_micro_batches(mask, prompt_len=prompt_len, group_size=group_size,
+                              max_tokens=max_tokens)
     return [torch.tensor(rows, device=padding_mask.device) for rows in plan.rows]

@@ -57,14 +57,24 @@ class Qwen3HFCheckpointer:
             raise KeyError(f"save_checkpoint needs the model weights under {MODEL_KEY!r}; got "
                            f"keys {sorted(state_dict)}")
         folder = self.output_dir / f"epoch_{epoch}"
+        # written into a folder beside the final one, then renamed into place: a crash mid-write
+        # leaves no half-written folder under the final name (nor a half-replaced one)
+        partial, replaced = (folder.with_name(f"{folder.name}.{s}") for s in ("partial", "replaced"))
+        for stale in (partial, replaced):
+            shutil.rmtree(stale, ignore_errors=True)
         state = state_dict[MODEL_KEY]
         if self.native:
             state = split_moe_experts({k: v for k, v in state.items()
                                        if not (self.tied and k == "lm_head.weight")})
-        path = write_hf_state(state, folder, rename=not self.native)
+        path = write_hf_state(state, partial, rename=not self.native)
         for src in self.checkpoint_dir.iterdir():  # config, generation config, tokenizer
             if src.is_file() and not src.name.startswith("model") and src.suffix in (
                     ".json", ".txt", ".model", ".jinja"):
-                shutil.copy2(src, folder / src.name)
+                shutil.copy2(src, partial / src.name)
+        if folder.exists():  # this step saved before (a resumed run): the new one replaces it
+            folder.rename(replaced)
+        partial.rename(folder)
+        shutil.rmtree(replaced, ignore_errors=True)
+        path = folder / path.name
         log.info("saved %s (%.2f GiB)", path, path.stat().st_size / 2**30)
         return folder

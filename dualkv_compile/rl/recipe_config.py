@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..attention.registry import KERNELS
 
-__all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "parse_checked"]
+__all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "instantiate_checked",
+           "parse_checked"]
 
 
 class ConfigError(ValueError):
@@ -38,6 +40,10 @@ class Key:
 
 def _at_least(n):
     return lambda v: None if v >= n else f"must be >= {n}"
+
+
+def _in_range(lo, hi):
+    return lambda v: None if lo <= v <= hi else f"must be in [{lo}, {hi}]"
 
 
 def _positive(v):
@@ -98,7 +104,7 @@ GRPO_SCHEMA: dict[str, Any] = {
     "dualkv": {"enabled": Key("bool"), "fallback": Key("choice", choices=("error", "dense")),
                "attention_backend": Key("choice", choices=tuple(KERNELS),
                                         required=False),
-               "bucket_growth": Key("float", required=False),
+               "bucket_growth": Key("float", _in_range(1, 4), required=False),
                "compile_region": Key("choice", choices=("auto", "model", "layer"),
                                      required=False)},
     "tokenizer": COMPONENT, "task": COMPONENT, "model": COMPONENT, "loss": COMPONENT,
@@ -133,16 +139,21 @@ def _expected(key: Key) -> str:
 
 class _Checker:
     def __init__(self, where: Callable[[str], str]):
-        self.where, self.problems = where, []
+        self.where, self.problems, self.warnings = where, [], []
 
     def bad(self, path: str, message: str):
         self.problems.append(f"{path} ({self.where(path)}): {message}")
 
-    def unknown(self, path: str, known):
+    def unknown(self, path: str, known, *, warn: bool = False):
         leaf = path.rsplit(".", 1)[-1]
         close = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
-        self.bad(path, f"unknown key{hint}")
+        if warn:
+            self.warnings.append(f"{path} ({self.where(path)}): not a named parameter of its "
+                                 f"_component_, which passes it on as **kwargs (or drops it)"
+                                 f"{hint}")
+        else:
+            self.bad(path, f"unknown key{hint}")
 
     def section(self, prefix: str, schema: dict, values: dict):
         for name, value in values.items():
@@ -196,12 +207,32 @@ class _Checker:
             params = inspect.signature(target).parameters
         except (TypeError, ValueError):
             return
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return  # takes **kwargs: its own call will say what it refuses
-        known = set(params) - _SUPPLIED.get(path, set())
+        # a component that takes **kwargs may use any key, or silently drop a misspelled one:
+        # keys it does not name are warned about, not refused
+        loose = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        known = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD
+                 and p.kind is not inspect.Parameter.VAR_POSITIONAL} - _SUPPLIED.get(path, set())
         for name in value:
             if name != "_component_" and name not in known:
-                self.unknown(f"{path}.{name}", known)
+                self.unknown(f"{path}.{name}", known, warn=loose)
+
+    def across(self, config: dict):
+        """Checks that involve several keys (each key's own range is checked already)."""
+        overlong = config.get("overlong")
+        if isinstance(overlong, dict) and all(
+                isinstance(overlong.get(k), int) for k in ("max_len", "cache_len")):
+            if not 0 < overlong["cache_len"] <= overlong["max_len"]:
+                self.bad("overlong.cache_len", f"{overlong['cache_len']} must be in "
+                         f"(0, overlong.max_len={overlong['max_len']}]: the penalty ramps over "
+                         "the last cache_len tokens before max_len")
+        groups, micro = config.get("groups_per_step"), config.get("micro_batch_groups")
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun (tune run --nproc...)
+        if isinstance(groups, int) and isinstance(micro, int) and groups > 0 and micro > 0:
+            per_rank, rest = divmod(groups, ranks)
+            by_groups = config.get("max_tokens_per_micro_batch") is None
+            if rest or (by_groups and per_rank % micro):
+                self.bad("groups_per_step", f"{groups} must split into {ranks} rank(s) x whole "
+                         f"micro-batches of micro_batch_groups={micro}")
 
 
 def _dotted(values: dict, prefix: str = "") -> set[str]:
@@ -214,10 +245,10 @@ def _dotted(values: dict, prefix: str = "") -> set[str]:
 
 
 def check_recipe_config(config: dict, *, config_file: str, overrides: list[str],
-                        schema: dict | None = None) -> None:
+                        schema: dict | None = None) -> list[str]:
     """Raise ConfigError listing every problem of `config` (the merged, resolved config as plain
     containers); `overrides` are the command line's key=value strings, so that each problem
-    names where its key came from."""
+    names where its key came from. Returns warnings: keys a **kwargs component does not name."""
     overridden = {}
     for text in overrides:
         key = text.lstrip("~").split("=", 1)[0]
@@ -232,8 +263,24 @@ def check_recipe_config(config: dict, *, config_file: str, overrides: list[str],
 
     checker = _Checker(where)
     checker.section("", schema or GRPO_SCHEMA, config)
+    if not checker.problems:
+        checker.across(config)
     if checker.problems:
         raise ConfigError(checker.problems)
+    return checker.warnings
+
+
+def instantiate_checked(section: str, target, *args):
+    """torchtune's config.instantiate(target, *args), or target(*args) for a callable: a
+    missing file or folder becomes a ConfigError naming the config section."""
+    try:
+        if callable(target):
+            return target(*args)
+        from torchtune import config
+
+        return config.instantiate(target, *args)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise ConfigError([f"{section}: {e}"]) from None
 
 
 def _config_path(argv: list[str]) -> str:
@@ -269,8 +316,9 @@ def parse_checked(recipe_main: Callable, schema: dict | None = None) -> Callable
             print(f"error: {config_file}: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(2)
         try:
-            check_recipe_config(plain, config_file=config_file, overrides=cli_args,
-                                schema=schema)
+            for line in check_recipe_config(plain, config_file=config_file, overrides=cli_args,
+                                            schema=schema):
+                print(f"warning: {line}", file=sys.stderr)
         except ConfigError as e:
             for line in e.problems:
                 print(f"error: {line}", file=sys.stderr)

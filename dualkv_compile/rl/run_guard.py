@@ -1,19 +1,26 @@
 """What keeps a recipe run from losing work: an output directory that holds a checkpoint is not
-reused silently, a checkpoint is checked before it is trusted, and SIGINT / SIGTERM end the run
-after the current step (the recipe then writes its checkpoint and exits 128 + the signal)."""
+reused silently (and a replaced run is moved aside, not deleted), a checkpoint is checked before
+it is trusted and against the config it is resumed with, and SIGINT / SIGTERM end the run after
+the current step (the recipe then writes its checkpoint and exits 128 + the signal)."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 from .recipe_config import ConfigError
 
-__all__ = ["CHECKPOINT_KEYS", "StopOnSignal", "check_output_dir", "load_checkpoint"]
+__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "StopOnSignal", "apply_config_changes",
+           "check_output_dir", "check_resume_config", "config_changes", "load_checkpoint",
+           "prepare_output_dir", "read_resume_checkpoint", "set_aside"]
 
 CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
+# config keys (and sections) a resumed run must share with its checkpoint: the saved weights and
+# optimizer state only fit these
+RESUME_FIXED = ("model", "tokenizer", "optimizer._component_")
 
 
 def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
@@ -24,6 +31,48 @@ def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool) -> None
                            "or start over (replacing it) with overwrite_output_dir=true"])
 
 
+def set_aside(output_dir: Path, paths: list[Path]) -> Path | None:
+    """overwrite_output_dir=true over an earlier run: move its checkpoint and trained-weight
+    folders (those of `paths` that exist) into output_dir/replaced_<time>/, so that neither a
+    resume nor a reader of the newest folder takes the earlier run's for this one's. Nothing is
+    deleted. Returns the folder, or None when there was nothing to move."""
+    paths = [p for p in paths if p.exists()]
+    if not paths:
+        return None
+    aside = output_dir / f"replaced_{datetime.now():%Y%m%d_%H%M%S_%f}"
+    aside.mkdir(parents=True)
+    for p in paths:
+        p.rename(aside / p.name)
+    return aside
+
+
+def config_changes(saved: dict | None, current: dict) -> dict[str, tuple]:
+    """{dotted key: (checkpoint's value, current value)} for every leaf that differs between
+    the config a checkpoint was written with and the current one ({} for a checkpoint that holds
+    no config)."""
+    if saved is None:
+        return {}
+
+    def leaves(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    old, new = leaves(saved), leaves(current)
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)}
+
+
+def check_resume_config(path: Path, changes: dict[str, tuple]) -> None:
+    """Raise ConfigError for changes to RESUME_FIXED keys, which the checkpoint cannot follow."""
+    fixed = [k for k in changes if any(k == f or k.startswith(f + ".") for f in RESUME_FIXED)]
+    if fixed:
+        raise ConfigError([f"{k}: {changes[k][0]!r} when {path} was written, {changes[k][1]!r} "
+                           "now; a resumed run must keep it (start a new run in another "
+                           "output_dir to change it)" for k in fixed])
+
+
 def load_checkpoint(path: Path, *, num_steps: int) -> dict:
     """The recipe's checkpoint at `path`, or a ConfigError that names what is wrong with it
     (missing, unreadable, not this recipe's, already at num_steps). The file is never changed."""
@@ -32,7 +81,7 @@ def load_checkpoint(path: Path, *, num_steps: int) -> dict:
     if not path.is_file():
         raise ConfigError([f"resume_from_checkpoint=true but {path} does not exist"])
     try:
-        state = torch.load(path, weights_only=False, mmap=True)  # each rank maps, none copies
+        state = torch.load(path, weights_only=True, mmap=True)  # each rank maps, none copies
     except Exception as e:  # noqa: BLE001 - any failure to read means the same to the user
         raise ConfigError([f"{path} is not a readable checkpoint ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:200]}); it was left untouched"]) from None
@@ -45,6 +94,55 @@ def load_checkpoint(path: Path, *, num_steps: int) -> dict:
                            f"{state['step']} already, nothing is left to train; raise "
                            "num_steps to continue"])
     return state
+
+
+def read_resume_checkpoint(path: Path, *, num_steps: int, world_size: int,
+                           config: dict) -> tuple[dict, dict]:
+    """load_checkpoint, then the checks a resumed run needs: the same number of ranks, and no
+    change to RESUME_FIXED keys. Returns (state, config_changes)."""
+    state = load_checkpoint(path, num_steps=num_steps)
+    if len(state["rngs"]) != world_size:
+        raise ConfigError([f"{path} was written by {len(state['rngs'])} rank(s); resume it with "
+                           f"the same number, not {world_size}"])
+    changes = config_changes(state.get("config"), config)
+    check_resume_config(path, changes)
+    return state, changes
+
+
+def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_steps: int,
+                       world_size: int, config: dict, weight_dirs: list[Path],
+                       rank: int) -> tuple[dict | None, dict]:
+    """Before any work: check_output_dir; with resume, read_resume_checkpoint (returned: the
+    state and the config changes); with overwrite, rank 0 moves the earlier run's checkpoint and
+    the epoch_* folders of `weight_dirs` aside (set_aside) and says where."""
+    check_output_dir(checkpoint, resume=resume, overwrite=overwrite)
+    if resume:
+        return read_resume_checkpoint(checkpoint, num_steps=num_steps, world_size=world_size,
+                                      config=config)
+    if overwrite and rank == 0:
+        earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*")))]
+        aside = set_aside(checkpoint.parent, earlier)
+        if aside is not None:
+            print(f"overwrite_output_dir=true: the earlier run's checkpoint and weights were "
+                  f"moved to {aside}", flush=True)
+    return None, {}
+
+
+def apply_config_changes(optimizer, changes: dict[str, tuple], *, step: int,
+                         announce: bool) -> None:
+    """After the checkpoint's optimizer state is loaded: set the hyperparameters the config
+    changed since (optimizer.lr and the like) on every parameter group, which would otherwise
+    keep the old ones; with `announce`, list every changed setting in one line."""
+    if changes and announce:
+        print(f"resuming step {step} with settings changed since it was saved (the config's "
+              "optimizer settings replace the checkpoint's): " + "; ".join(
+                  f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()), flush=True)
+    for key, (_, value) in changes.items():
+        section, _, name = key.partition(".")
+        if section == "optimizer" and "." not in name and value is not None:
+            for group in optimizer.param_groups:
+                if name in group:
+                    group[name] = value
 
 
 class StopOnSignal:

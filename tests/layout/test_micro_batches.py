@@ -62,6 +62,92 @@ def test_impossible_budgets_are_named():
         dk.plan_micro_batches(mask, prompt_len=p, group_size=5, max_tokens=100)
 
 
+def small():
+    """2 groups of 2 rows, L=9, prompt_len=5 (prompts 5 and 3 tokens): the plan at 12 tokens
+    is packed_tokens=[11, 8]."""
+    _, mask, p = make_batch([5, 3], [[4, 2], [1, 4]], vocab=50,
+                            generator=torch.Generator().manual_seed(0))
+    assert mask.shape == (4, 9) and p == 5
+    return mask, p
+
+
+def test_a_small_batch_plans_as_expected():
+    mask, p = small()
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=12)
+    assert plan.packed_tokens == [11, 8] and plan.rows == [[0, 1], [2, 3]]
+    assert plan.split_groups == [] and len(plan) == 2
+    # 0/1 integer masks and 0-d integer tensors are taken as pack takes them
+    same = dk.plan_micro_batches(mask.long(), prompt_len=torch.tensor(p), group_size=2,
+                                 max_tokens=12)
+    assert same == plan
+    rows = dk.micro_batch_rows(mask, prompt_len=p, group_size=2, groups=None, max_tokens=12)
+    assert [r.tolist() for r in rows] == plan.rows
+    assert dk.micro_batch_rows(mask, prompt_len=p, group_size=2, groups=1,
+                               max_tokens=None) == [slice(0, 2), slice(2, 4)]
+
+
+PLAN_ARGS = {"prompt_len": 5, "group_size": 2, "max_tokens": 12}
+ROWS_ARGS = {"prompt_len": 5, "group_size": 2, "groups": 1, "max_tokens": None}
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"prompt_len": 100}, r"prompt_len=100 is outside \[1, L=9\]"),
+    ({"prompt_len": 10}, r"prompt_len=10 is outside \[1, L=9\]"),
+    ({"prompt_len": 0}, r"prompt_len=0 is outside \[1, L=9\]"),
+    ({"prompt_len": -1}, r"prompt_len=-1 is outside \[1, L=9\]"),
+    ({"prompt_len": 5.0}, r"prompt_len must be an int, got float 5\.0"),
+    ({"prompt_len": True}, r"prompt_len must be an int, got bool True"),
+    ({"group_size": 2.0}, r"group_size must be an int, got float 2\.0"),
+    ({"group_size": True}, r"group_size must be an int, got bool True"),
+    ({"group_size": 0}, r"group_size=0 must be a positive int"),
+    ({"group_size": -2}, r"group_size=-2 must be a positive int"),
+    ({"max_tokens": None}, r"max_tokens must be an int, got NoneType None"),
+    ({"max_tokens": 12.0}, r"max_tokens must be an int, got float 12\.0"),
+    ({"max_tokens": True}, r"max_tokens must be an int, got bool True"),
+])
+def test_plan_micro_batches_names_a_bad_argument(bad, match):
+    mask, _ = small()
+    with pytest.raises(ValueError, match=match):
+        dk.plan_micro_batches(mask, **{**PLAN_ARGS, **bad})
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"groups": -1}, r"groups=-1 must be a positive int"),
+    ({"groups": 0}, r"groups=0 must be a positive int"),
+    ({"groups": 1.0}, r"groups must be an int, got float 1\.0"),
+    ({"groups": True}, r"groups must be an int, got bool True"),
+    ({"groups": None}, r"groups must be an int, got NoneType None"),  # no max_tokens either
+    ({"groups": 0, "max_tokens": 12}, r"groups=0 must be a positive int"),
+    ({"prompt_len": 100}, r"prompt_len=100 is outside \[1, L=9\]"),
+    ({"prompt_len": 0}, r"prompt_len=0 is outside \[1, L=9\]"),
+    ({"group_size": 2.0}, r"group_size must be an int, got float 2\.0"),
+    ({"group_size": 0}, r"group_size=0 must be a positive int"),
+    ({"group_size": 3}, r"4 rows do not split into groups of group_size=3"),
+    ({"max_tokens": 12.5}, r"max_tokens must be an int, got float 12\.5"),
+])
+def test_micro_batch_rows_names_a_bad_argument(bad, match):
+    mask, _ = small()
+    with pytest.raises(ValueError, match=match):
+        dk.micro_batch_rows(mask, **{**ROWS_ARGS, **bad})
+
+
+@pytest.mark.parametrize("fn, args", [(dk.plan_micro_batches, PLAN_ARGS),
+                                      (dk.micro_batch_rows, ROWS_ARGS)])
+@pytest.mark.parametrize("make_mask, match", [
+    (lambda m: m.float(), r"padding_mask must be bool or integer 0/1 .*float32"),
+    (lambda m: m.long() * 2, r"padding_mask must hold only 0 and 1 .*\[2\]"),
+    (lambda m: m[0], r"padding_mask must be a bool or 0/1 integer tensor \[B, L\], got "
+                     r"Tensor \(9,\)"),
+    (lambda m: m[:, :, None], r"padding_mask must be .*tensor \[B, L\], got Tensor \(4, 9, 1\)"),
+    (lambda m: m.tolist(), r"padding_mask must be .*tensor \[B, L\], got list"),
+    (lambda m: m[:0], r"padding_mask has no rows \(B=0\)"),
+])
+def test_a_bad_padding_mask_is_named(fn, args, make_mask, match):
+    mask, _ = small()
+    with pytest.raises(ValueError, match=match):
+        fn(make_mask(mask), **args)
+
+
 def grpo_loss_and_grads(model, tokens, mask, p, batches, aggregation):
     """The recipe's accumulation: each micro-batch's loss weighted by its share of the rows
     (sequence) or tokens (token), through response_loss; returns (loss, flat gradient)."""

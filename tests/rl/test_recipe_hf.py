@@ -119,3 +119,30 @@ def test_a_generation_configs_eos_list_stops_responses(checkpoint):
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer directory"):
         HFTokenizer(str(tmp_path / "nope"))
+
+
+def test_a_save_that_fails_midway_leaves_the_saved_folder_whole(tmp_path, checkpoint,
+                                                                 monkeypatch):
+    from dualkv_compile.models import Qwen3HFCheckpointer
+    from dualkv_compile.models import checkpointer as module
+
+    folder, _ = checkpoint
+    out = tmp_path / "out"
+    saver = Qwen3HFCheckpointer(str(folder), str(out))
+    state = saver.load_checkpoint()
+    first = saver.save_checkpoint(state, epoch=3)
+    before = (first / "model.safetensors").read_bytes()
+
+    def fails_midway(state, directory, rename=True):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "model.safetensors").write_bytes(b"half a file")
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(module, "write_hf_state", fails_midway)
+        with pytest.raises(OSError, match="No space left"):
+            saver.save_checkpoint(state, epoch=3)  # the same step again, as a resumed run does
+    assert (first / "model.safetensors").read_bytes() == before
+    saver.save_checkpoint(state, epoch=3)  # the next save replaces it and clears the leftovers
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_3"]
+    assert (first / "model.safetensors").read_bytes() == before  # the same weights again

@@ -1,0 +1,95 @@
+"""The recipe's checkpoints and config on a resume or an overwrite (in-process, tiny CPU config):
+the last step is written once, a resume checks the config it continues with and applies a new
+optimizer setting, an overwritten run is moved aside, and checks across keys refuse values the
+run would fail on later."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from recipe_helpers import CONFIG, load_recipe, run
+
+from dualkv_compile.rl.recipe_config import ConfigError, check_recipe_config, instantiate_checked
+
+
+def test_the_last_step_is_saved_once(tmp_path):
+    cfg = OmegaConf.load(CONFIG)
+    for key, value in {"output_dir": str(tmp_path / "run"), "num_steps": 2, "save_every": 1}.items():
+        OmegaConf.update(cfg, key, value)
+    recipe = load_recipe().GRPORecipe(cfg)
+    recipe.setup()
+    saves, save = [], recipe.save_checkpoint
+    recipe.save_checkpoint = lambda: (saves.append(recipe.step), save())
+    recipe.train()
+    recipe.cleanup()
+    assert saves == [1, 2]
+
+
+def test_resume_applies_a_changed_optimizer_setting_and_says_so(tmp_path, capsys):
+    run(tmp_path, "run", num_steps=1)
+    capsys.readouterr()
+    resumed = run(tmp_path, "run", num_steps=2, resume_from_checkpoint=True,
+                  **{"optimizer.lr": 0.5})
+    out = capsys.readouterr().out
+    assert "resuming step 1 with settings changed" in out and "optimizer.lr: 0.001 -> 0.5" in out
+    assert "num_steps: 1 -> 2" in out
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.5]
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.5 and saved["config"]["num_steps"] == 2
+
+
+def test_resume_refuses_a_changed_model_before_building_anything(tmp_path):
+    run(tmp_path, "run", num_steps=1)
+    cfg = OmegaConf.load(CONFIG)
+    for key, value in {"output_dir": str(tmp_path / "run"), "num_steps": 2,
+                       "resume_from_checkpoint": True, "model.embed_dim": 32}.items():
+        OmegaConf.update(cfg, key, value)
+    recipe = load_recipe().GRPORecipe(cfg)
+    with pytest.raises(ConfigError, match=r"model\.embed_dim: 64 when .* was written, 32 now"):
+        recipe.setup()
+    assert not hasattr(recipe, "model")
+
+
+def test_overwrite_moves_the_earlier_run_aside(tmp_path):
+    run(tmp_path, "run", num_steps=1)
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    run(tmp_path, "run", num_steps=1, seed=1, overwrite_output_dir=True)
+    aside = list((tmp_path / "run").glob("replaced_*"))
+    assert len(aside) == 1 and (aside[0] / "checkpoint.pt").read_bytes() == before
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() != before
+
+
+def _config(**changes) -> dict:
+    cfg = OmegaConf.load(CONFIG)
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"overlong": {"max_len": 9, "cache_len": 0}}, "overlong.cache_len (x): 0 must be in (0, "),
+    ({"overlong": {"max_len": 4, "cache_len": 5}},
+     "overlong.cache_len (x): 5 must be in (0, overlong.max_len=4]"),
+    ({"dualkv.bucket_growth": 0.5}, "dualkv.bucket_growth (x): 0.5 must be in [1, 4]"),
+    ({"micro_batch_groups": 3}, "groups_per_step (x): 8 must split into 1 rank(s) x whole "
+                                "micro-batches of micro_batch_groups=3"),
+])
+def test_values_that_fail_together_are_refused_up_front(changes, message, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError) as e:
+        check_recipe_config(_config(**changes), config_file="x", overrides=[])
+    assert any(line.startswith(message) for line in e.value.problems), e.value.problems
+
+
+def test_a_key_a_kwargs_component_does_not_name_is_warned_about():
+    warnings = check_recipe_config(_config(**{"metric_logger.organize_log": False}),
+                                   config_file="x", overrides=[])
+    assert len(warnings) == 1 and warnings[0].startswith("metric_logger.organize_log (x): not a")
+    assert "did you mean 'organize_logs'?" in warnings[0]
+    assert check_recipe_config(_config(), config_file="x", overrides=[]) == []
+
+
+def test_a_missing_file_of_a_component_names_its_section(tmp_path):
+    node = OmegaConf.create({"_component_": "dualkv_compile.rl.HFTokenizer",
+                             "path": str(tmp_path / "nope")})
+    with pytest.raises(ConfigError, match=r"^tokenizer: tokenizer directory .*nope does not exist"):
+        instantiate_checked("tokenizer", node)

@@ -1,0 +1,145 @@
+"""The CLI's refusals: every user error exits 2 with one line naming the bad value, before any
+work (positions past a model's maximum, malformed config.json, --out paths, image sizes, a
+benchmark without a GPU, malformed --caps)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from dualkv_compile.tools.cli import main
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "nope", "-N", "1", "-P", "1", "-R", "1"], "unknown model 'nope'"),
+    (["inspect", "--model", "llama-9000"], "unknown model 'llama-9000'"),
+    (["plan", "--model", "qwen3-8b", "-N", "0", "-P", "1", "-R", "1"], "-N 0: must be at least 1"),
+    (["plan", "--model", "/nonexistent/config.json", "-N", "1", "-P", "1", "-R", "1"],
+     "no such file: /nonexistent/config.json"),
+    (["mask", "--out", "/nonexistent/dir/m.png"], "no such directory: /nonexistent/dir"),
+    (["mask", "--pad-to", "100", "--out", "m.png"], "--pad-to 100: must be a multiple of 128"),
+    (["mask", "--groups", "0", "--out", "m.png"], "0 must be at least 1"),
+    (["bench", "nope"], "invalid choice: 'nope'"),
+    # past the tiny models' positions (they are built with what the layout needs, up to 8192)
+    (["inspect", "--model", "qwen2_5", "-P", "9000", "-R", "300"],
+     "prompt + response = 9300 positions, more than qwen2_5's maximum of 8192"),
+    (["inspect", "--model", "hf_llama", "--layers", "3"],
+     "--layers 3: the tiny family hf_llama has 2 layers"),
+    (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "--gpu-memory", "nan"],
+     "--gpu-memory nan: must be a positive, finite number of GiB"),
+    (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "--gpu-memory", "inf"],
+     "--gpu-memory inf: must be a positive, finite number of GiB"),
+    (["mask", "--scale", "100000", "--out", "m.png"],
+     "--scale 100000: 1x1 blocks of 100000 px make 100,000 px a side, more than the limit of "
+     "4096: use --scale 4096 or less"),
+    (["mask", "--pad-to", "1280000000", "--out", "m.png"], "packs 1,280,000,000 tokens"),
+    (["bench"], "the following arguments are required: name"),
+])
+def test_errors_exit_2_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a relative --out lands in a writable folder
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+    if argv == ["bench"]:  # a name is required, the arguments after it are not
+        assert err.strip().endswith("required: name"), err
+
+
+def test_inspect_runs_tiny_models_past_512_positions(capsys):
+    # the tiny torchtune models were built with 512 RoPE positions: 500 + 100 raised IndexError
+    assert main(["inspect", "--model", "qwen2_5", "--groups", "1", "--group-size", "1",
+                 "-P", "500", "-R", "100"]) == 0
+    assert "attention_rewritten: 2" in capsys.readouterr().out
+
+
+_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+          "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+@pytest.mark.parametrize("command,content,message", [
+    ("plan", [], "holds a JSON list, not an object of config fields"),
+    ("plan", {**_LLAMA, "num_attention_heads": 0}, "num_attention_heads = 0 must be a positive"),
+    ("plan", {**_LLAMA, "num_attention_heads": "8"}, 'num_attention_heads = "8" must be a'),
+    ("plan", {**_LLAMA, "head_dim": True}, "head_dim = true must be a positive integer"),
+    ("plan", {**_LLAMA, "num_key_value_heads": 3}, "is not a multiple of num_key_value_heads = 3"),
+    ("inspect", {k: v for k, v in _LLAMA.items() if k != "model_type"},
+     "lacks the field 'model_type'"),
+    ("inspect", {**_LLAMA, "model_type": "no_such_model"}, "transformers cannot read"),
+    ("inspect", {**_LLAMA, "max_position_embeddings": 8},
+     "prompt + response = 12 positions, more than"),
+])
+def test_malformed_config_json_exits_2_with_one_line(command, content, message, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(content))
+    sizes = ["-N", "1", "-P", "1", "-R", "1"] if command == "plan" else []
+    assert main([command, "--model", str(path), *sizes]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_inspect_a_config_json_not_named_config_json(tmp_path, capsys):
+    # transformers was handed the folder, which read the folder's config.json, not this file
+    (tmp_path / "llama.json").write_text(json.dumps(_LLAMA))
+    assert main(["inspect", "--model", str(tmp_path / "llama.json"), "--layers", "1"]) == 0
+    assert "attention_rewritten: 1" in capsys.readouterr().out
+
+
+def test_out_paths_are_checked_before_the_work(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv, message in [
+            (["mask", "--out", str(tmp_path)], f"--out {tmp_path}: is a directory; name a file"),
+            (["mask", "--out", f"{a_file}/m.png"], f"{a_file} is not a directory"),
+            (["inspect", "--model", "hf_llama", "--out", str(a_file)],
+             f"--out {a_file}: exists and is not a directory"),
+            (["inspect", "--model", "hf_llama", "--out", f"{a_file}/graphs"],
+             f"{a_file} is not a directory")]:
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # nothing was traced or drawn
+        assert len(captured.err.strip().splitlines()) == 1 and message in captured.err, argv
+    if os.path.isdir("/proc/self"):  # Linux's /proc takes no new files, even from root
+        assert main(["mask", "--out", "/proc/m.png"]) == 2
+        assert "--out /proc/m.png: cannot write" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine with no GPU")
+def test_benchmarks_refuse_to_run_without_a_gpu(capsys):
+    from dualkv_compile.tools import bench_attention, bench_policy_update, bench_ragged
+
+    for module in (bench_attention, bench_policy_update):
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(["--shapes", "2,128,128"])
+        assert exit_info.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench_ragged.main([])
+
+
+def test_rollout_benchmark_refuses_to_run_without_a_gpu(monkeypatch, capsys):
+    from dualkv_compile.tools import bench_rollout
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_rollout.main([])
+    assert exit_info.value.code == 2
+    assert "this benchmark needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("caps", ["4096", "2048,x", "0,512", "1,2,3"])
+def test_ragged_caps_are_checked_by_argparse_which_names_the_benchmark(caps, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "ragged", "--tiles-only", "--caps", caps, "--seeds", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: dualkv bench ragged" in err
+    assert f"dualkv bench ragged: error: argument --caps: caps '{caps}'" in err
+    from dualkv_compile.tools import bench
+
+    with pytest.raises(SystemExit):  # the module's entry point names itself
+        bench.main(["ragged", "--caps", caps])
+    assert "usage: python -m dualkv_compile.tools.bench ragged" in capsys.readouterr().err
