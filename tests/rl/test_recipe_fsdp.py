@@ -69,7 +69,9 @@ def test_groups_must_split_over_ranks(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
-    assert re.search(r"groups_per_step=4 must split into 2 rank", proc.stdout + proc.stderr)
+    # refused by the config check, before any rank builds anything
+    assert re.search(r"error: groups_per_step \(command-line override 'groups_per_step=4'\): 4 "
+                     r"must split into 2 rank\(s\)", proc.stdout + proc.stderr)
 
 
 SHRUNK_1_7B = ["device=cpu", "dtype=fp32", "group_size=3", "max_generated_tokens=5",
