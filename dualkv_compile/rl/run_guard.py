@@ -21,6 +21,8 @@ CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
 # config keys (and sections) a resumed run must share with its checkpoint: the saved weights and
 # optimizer state only fit these
 RESUME_FIXED = ("model", "tokenizer", "optimizer._component_")
+# keys that say how this run starts, expected to differ from the checkpoint's run: not listed
+_RUN_CONTROL = ("resume_from_checkpoint", "overwrite_output_dir")
 
 
 def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
@@ -61,7 +63,7 @@ def config_changes(saved: dict | None, current: dict) -> dict[str, tuple]:
 
     old, new = leaves(saved), leaves(current)
     return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k)}
+            if old.get(k) != new.get(k) and k not in _RUN_CONTROL}
 
 
 def check_resume_config(path: Path, changes: dict[str, tuple]) -> None:

@@ -31,7 +31,7 @@ def test_resume_applies_a_changed_optimizer_setting_and_says_so(tmp_path, capsys
                   **{"optimizer.lr": 0.5})
     out = capsys.readouterr().out
     assert "resuming step 1 with settings changed" in out and "optimizer.lr: 0.001 -> 0.5" in out
-    assert "num_steps: 1 -> 2" in out
+    assert "num_steps: 1 -> 2" in out and "resume_from_checkpoint" not in out
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.5]
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert saved["optimizer"]["param_groups"][0]["lr"] == 0.5 and saved["config"]["num_steps"] == 2
