@@ -18,10 +18,11 @@ from .adapters import adapter_for
 from .backend import DualKVBackend
 from .attention.registry import attention_kernel
 from .config import DualKVConfig
-from .lm_head.gather_rows import SharedRows, gather_rows
+from .lm_head.gather_rows import gather_rows
 from .layout.inputs import layout_anchor, layout_tables
 from .lm_head.logprobs import chunked_logprobs, chunked_token_loss
-from .layout.packing import PackedBatch, _as_int, as_padding_mask, pack
+from .lm_head.targets import predictions, row_sources, scatter_responses
+from .layout.packing import PackedBatch, as_padding_mask, checked_prompt_len, checked_tokens, pack
 from .numerics import accumulation_dtype
 from .recompiles import bounded_recompiles
 from .stats import counters
@@ -207,15 +208,24 @@ class DualKVModel(nn.Module):
         inside the model while `uses_dualkv` (e.g. a MoE router's expert choices, [T, k]),
         weighted by it, equal the replicated batch's: the expert load of the rows, with each
         prompt token counted once per row that shares it."""
+        self._check_tokens(tokens)
         return self._pack(tokens, prompt_len, padding_mask).token_rows()
 
-    def _pack(self, tokens: Tensor, prompt_len: int, padding_mask: Tensor | None) -> PackedBatch:
+    def _check_tokens(self, tokens) -> None:
+        """Every entry point's check: int64/int32 ids [B, L] of the model's vocabulary, on the
+        model's device (elsewhere they would fail deep inside Dynamo, or not at all)."""
+        checked_tokens(tokens)
+        param = next(self.model.parameters(), None)
+        if param is not None and tokens.device != param.device:
+            raise ValueError(f"tokens are on {tokens.device} but the model is on {param.device}")
         vocab = self._adapter.vocab_size(self.model)
-        if isinstance(tokens, Tensor) and tokens.numel():
+        if tokens.numel():
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"tokens hold id {lo if lo < 0 else hi}, outside the model's "
                                  f"vocabulary [0, {vocab})")
+
+    def _pack(self, tokens: Tensor, prompt_len: int, padding_mask: Tensor | None) -> PackedBatch:
         return pack(tokens, prompt_len=prompt_len, padding_mask=padding_mask,
                     pad_to=self.config.pad_to, bucket_growth=self.config.bucket_growth)
 
@@ -224,26 +234,27 @@ class DualKVModel(nn.Module):
         return (padding_mask.long().cumsum(1) - 1).clamp_min(0)
 
     def _split_forward_args(self, args, kwargs):
-        """(tokens, padding_mask) from the model's own calling convention."""
+        """(tokens, padding_mask) from the model's own calling convention: torchtune's mask or
+        transformers' attention_mask, or padding_mask=, or both if they agree."""
+        if len(args) > 1:  # transformers' positional attention_mask was silently ignored
+            raise ValueError(f"pass only the tokens positionally, got {len(args)} arguments")
         kwargs = dict(kwargs)
-        if self._adapter.name == "torchtune":
-            tokens = args[0] if args else kwargs.pop("tokens")
-            padding_mask = kwargs.pop("padding_mask", None)
-            positions = kwargs.pop("input_pos", None)
-            mask = kwargs.pop("mask", None)
-            if mask is not None:
-                derived = self._padding_from_torchtune_mask(mask, positions)
-                if padding_mask is not None and not torch.equal(padding_mask, derived):
-                    raise ValueError("mask and padding_mask describe different padding")
-                padding_mask = derived
-        else:
-            tokens = args[0] if args else kwargs.pop("input_ids")
-            padding_mask = kwargs.pop("attention_mask", kwargs.pop("padding_mask", None))
-            positions = kwargs.pop("position_ids", None)
+        tt = self._adapter.name == "torchtune"
+        tokens = args[0] if args else kwargs.pop("tokens" if tt else "input_ids", None)
+        positions = kwargs.pop("input_pos" if tt else "position_ids", None)
+        name = "mask" if tt else "attention_mask"
+        masks = [kwargs.pop(name, None), kwargs.pop("padding_mask", None)]
+        if tt and masks[0] is not None:
+            masks[0] = self._padding_from_torchtune_mask(masks[0], positions)
+        if not tt:
             kwargs.pop("use_cache", None)
-            padding_mask = None if padding_mask is None else as_padding_mask(padding_mask)
-        if kwargs:
+        masks = [as_padding_mask(m) for m in masks if m is not None]
+        if len(masks) == 2 and not torch.equal(*masks):
+            raise ValueError(f"{name} and padding_mask describe different padding")
+        padding_mask = masks[0] if masks else None
+        if kwargs:  # inputs_embeds among them: packing needs the token ids
             raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
+        self._check_tokens(tokens)
         if positions is not None:
             mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
             expected = self._row_positions(mask)
@@ -306,7 +317,7 @@ class DualKVModel(nn.Module):
         def head(states, weight, targets, dst):
             lp = chunked_logprobs(states, weight, targets, temperature=temperature,
                                   chunk_size=self.config.logprob_chunk_size)
-            return _scatter(lp, dst, tokens, prompt_len)
+            return scatter_responses(lp, dst, tokens, prompt_len)
 
         return self._response_head(tokens, prompt_len, padding_mask, head,
                                    lambda empty: empty)
@@ -323,25 +334,32 @@ class DualKVModel(nn.Module):
         returns each token's loss; a token's loss may depend on its own logprob only. Returns
         (the sum of those losses, the logprobs [B, L - prompt_len] without gradient and 0 at
         padding, as response_logprobs returns them). Without response columns the loss is a
-        0 with no gradient."""
+        0 with no gradient. A token_loss with `response_shape` (GRPOLoss.token_loss's) must
+        have been built for [B, L - prompt_len] of these tokens."""
         def head(states, weight, targets, dst):
             loss, lp = chunked_token_loss(states, weight, targets, token_loss, index=dst,
                                           temperature=temperature,
                                           chunk_size=self.config.logprob_chunk_size)
-            return loss, _scatter(lp, dst, tokens, prompt_len)
+            return loss, scatter_responses(lp, dst, tokens, prompt_len)
 
         return self._response_head(tokens, prompt_len, padding_mask, head,
-                                   lambda empty: (empty.new_zeros(()), empty))
+                                   lambda empty: (empty.new_zeros(()), empty),
+                                   getattr(token_loss, "response_shape", None))
 
-    def _response_head(self, tokens, prompt_len, padding_mask, head, on_empty):
+    def _response_head(self, tokens, prompt_len, padding_mask, head, on_empty, shape=None):
         """head(states [M, d] predicting the M valid response tokens, the LM-head weight, their
         targets [M], their flat positions [M] in [B, L - prompt_len]), run inside the model's
-        forward (where FSDP2 has all-gathered the weight)."""
+        forward (where FSDP2 has all-gathered the weight). `shape`: what the token loss was
+        built for, checked against [B, L - prompt_len]."""
+        self._check_tokens(tokens)
+        prompt_len = checked_prompt_len(prompt_len, tokens.shape[1])
+        want = (tokens.shape[0], tokens.shape[1] - prompt_len)
+        if shape is not None and tuple(shape) != want:
+            raise ValueError(f"token_loss was built for responses of shape {tuple(shape)}, but "
+                             f"these tokens have {want} ([B, L - prompt_len])")
         padding_mask = None if padding_mask is None else as_padding_mask(padding_mask)
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
-        if isinstance(prompt_len, Tensor):
-            prompt_len = _as_int("prompt_len", prompt_len)
-        if tokens.dim() == 2 and prompt_len == tokens.shape[1]:  # no response columns
+        if prompt_len == tokens.shape[1]:  # no response columns
             self._pack(tokens, prompt_len, padding_mask)  # still validates the input
             weight = self._adapter.lm_head_weight(self.model)
             wide = accumulation_dtype(weight.dtype)
@@ -351,8 +369,8 @@ class DualKVModel(nn.Module):
             pb = self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
             hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
                                         self._adapter.replicated_mask(mask))
-            _, targets, dst, _ = _predictions(tokens, mask, prompt_len, pb)
-            rows = _row_sources(mask, prompt_len, hidden.device)
+            _, targets, dst, _ = predictions(tokens, mask, prompt_len, pb)
+            rows = row_sources(mask, prompt_len, hidden.device)
             return head(hidden.flatten(0, 1).index_select(0, rows),
                         self._adapter.lm_head_weight(self.model), targets, dst)
 
@@ -361,49 +379,9 @@ class DualKVModel(nn.Module):
             # before the model is launched: the boolean indexing here waits for the GPU, which
             # is idle now, but after the launch would wait for the whole forward and then
             # leave the GPU idle until the LM head is launched
-            src, targets, dst, shared = _predictions(tokens, mask, prompt_len, pb)
+            src, targets, dst, shared = predictions(tokens, mask, prompt_len, pb)
             hidden = self._run_packed(pb, "hidden")[0]  # [T, d]
             return head(gather_rows(hidden, src, shared),
                         self._adapter.lm_head_weight(self.model), targets, dst)
 
         return self._packed_or_dense(packed, dense)
-
-
-def _predictions(tokens, mask, prompt_len, pb: PackedBatch):
-    """For every valid response token: the packed index of the hidden state that predicts it
-    (the previous token of its row; the prompt's last token for the first), its token id, and
-    its flat index in the [B, L - prompt_len] output; and where those sources repeat (the
-    prompt's last token, once per member with a response), as gather_rows takes it."""
-    b, l = tokens.shape
-    r = l - prompt_len
-    device = tokens.device
-    index = pb.on_device("_unpack_index", device).view(b, l)
-    valid = mask[:, prompt_len:]
-    resp = index[:, prompt_len:]  # packed index of each response token
-    # previous token: the one before it in the packed response, or the prompt's last token
-    group_last = torch.tensor([pe - 1 for _, pe, _ in pb.group_spans], device=device)
-    group = pb.on_device("group_ids", device)
-    prev = torch.cat([group_last[group][:, None], resp[:, :-1]], dim=1)
-    dst = (torch.arange(b, device=device)[:, None] * r + torch.arange(r, device=device))[valid]
-    # the gathered index of each row's first response token (responses are right-padded)
-    counts = valid.sum(1)
-    starts, has_first = counts.cumsum(0) - counts, valid[:, 0]
-    shared = SharedRows(rows=group_last, members=starts[has_first], slot=group[has_first])
-    return prev[valid], tokens[:, prompt_len:][valid], dst, shared
-
-
-def _row_sources(mask, prompt_len, device):
-    """Same as _predictions' sources, but as flat indices into the [B, L] rows: the previous
-    valid column of each valid response token."""
-    b, l = mask.shape
-    cols = torch.arange(l, device=device).expand(b, l)
-    last_valid = torch.where(mask, cols, torch.full_like(cols, -1)).cummax(1).values
-    prev = torch.cat([torch.full_like(cols[:, :1], -1), last_valid[:, :-1]], dim=1)
-    flat = torch.arange(b, device=device)[:, None] * l + prev
-    return flat[:, prompt_len:][mask[:, prompt_len:]]
-
-
-def _scatter(values: Tensor, dst: Tensor, tokens: Tensor, prompt_len: int) -> Tensor:
-    """values [M] at flat positions dst of a zero [B, L - prompt_len]."""
-    b, l = tokens.shape
-    return values.new_zeros(b * (l - prompt_len)).index_put((dst,), values).view(b, l - prompt_len)

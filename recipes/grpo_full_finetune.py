@@ -36,7 +36,7 @@ from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_pe
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.recipe_config import ConfigError, instantiate_checked, parse_checked
 from dualkv_compile.rl.run_guard import StopOnSignal, apply_config_changes, prepare_output_dir
-from dualkv_compile.rollout import RolloutEngine, plan_calls
+from dualkv_compile.rollout import RolloutEngine, plan_calls, prompt_mask_of
 from dualkv_compile.rollout.sampling import stop_mask
 from dualkv_compile.rollout.weights import gathered_weights
 
@@ -178,7 +178,8 @@ class GRPORecipe:
         before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0
         lengths = before_stop.sum(1)
         tokens = torch.cat([batch, response], 1)
-        mask = torch.cat([batch != tok.pad_id, before_stop], 1)  # prompts may be left-padded
+        # the prompt is what the engine sampled from: pad_id only in leading/trailing runs
+        mask = torch.cat([prompt_mask_of(batch, tok.pad_id), before_stop], 1)
         return torch.where(mask, tokens, tok.pad_id), mask, lengths
 
     def _generate(self, prompts: torch.Tensor, samples: int) -> torch.Tensor:
@@ -270,7 +271,7 @@ class GRPORecipe:
                                                    temperature=temp)
         # row selections: whole groups (micro_batch_groups) or a packed-token budget
         batches = dk.micro_batch_rows(mask, prompt_len=p, group_size=cfg.group_size,
-                                      groups=cfg.micro_batch_groups,
+                                      groups=cfg.micro_batch_groups, tokens=tokens,
                                       max_tokens=cfg.get("max_tokens_per_micro_batch"))
         # normalisers over all ranks; FSDP averages gradients over ranks, so scale back by the
         # world size to get the gradient of the global loss

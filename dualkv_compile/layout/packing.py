@@ -118,10 +118,8 @@ class PackedBatch:
         b, l = self.batch_shape
         dim = dim % x.dim()
         if dim == 0 or x.shape[0] != b or x.shape[dim] != l:
-            raise ValueError(
-                f"pack expects batch axis 0 of size {b} and token axis {dim} of size {l}, "
-                f"got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"pack expects batch axis 0 of size {b} and token axis {dim} of "
+                             f"size {l}, got shape {tuple(x.shape)}")
         rows = x.movedim(dim, 1)
         flat = rows.reshape(b * l, *rows.shape[2:])
         flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
@@ -135,10 +133,8 @@ class PackedBatch:
         b, l = self.batch_shape
         dim = dim % x.dim()
         if dim == 0 or x.shape[0] != 1 or x.shape[dim] != self.seq_len:
-            raise ValueError(
-                f"unpack expects batch axis 0 of size 1 and token axis {dim} of size "
-                f"{self.seq_len}, got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"unpack expects batch axis 0 of size 1 and token axis {dim} of "
+                             f"size {self.seq_len}, got shape {tuple(x.shape)}")
         flat = x.movedim(dim, 1)[0]
         flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
         out = flat[self.on_device("_unpack_index", x.device)]
@@ -179,15 +175,20 @@ def _row_classes(key: Tensor) -> Tensor:
 _HASH_GEN = torch.Generator().manual_seed(0x5EED)
 
 
-def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: int) -> Tensor:
-    """Group id of each row (numbered by first appearance): rows with equal valid prompts."""
-    b = tokens.shape[0]
+def prompt_keys(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: int) -> Tensor:
+    """[B, 1 + prompt_len]: each row's valid prompt length and tokens, left-aligned, zero-filled
+    (first, length: _contiguous_runs of the prompt mask). Equal keys = a shared prompt."""
     cols = torch.arange(prompt_len, device=tokens.device)
     src = (first[:, None] + cols).clamp(max=prompt_len - 1)
     aligned = tokens[:, :prompt_len].gather(1, src)
     aligned = torch.where(cols < length[:, None], aligned, torch.zeros_like(aligned))
-    key = torch.cat([length[:, None], aligned], dim=1)  # the length disambiguates the filler
-    inverse = _row_classes(key)
+    return torch.cat([length[:, None], aligned], dim=1)  # the length disambiguates the filler
+
+
+def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: int) -> Tensor:
+    """Group id of each row (numbered by first appearance): rows with equal valid prompts."""
+    b = tokens.shape[0]
+    inverse = _row_classes(prompt_keys(tokens, first, length, prompt_len))
     first_row = torch.full((b,), b, dtype=torch.long, device=tokens.device)
     first_row = first_row.scatter_reduce(0, inverse, torch.arange(b, device=tokens.device), "amin")
     order = torch.argsort(first_row[: int(inverse.max()) + 1])
@@ -233,12 +234,7 @@ def pack(
     of prompts and right padding of responses. Rows with identical valid prompts form a group;
     `group_size`, when given, is checked against the data. The packed length is
     `bucket_length(valid tokens, pad_to, bucket_growth)`."""
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
-        raise ValueError(
-            f"tokens must be an integer tensor [B, L], got "
-            f"{type(tokens).__name__} {tuple(getattr(tokens, 'shape', ()))} "
-            f"{getattr(tokens, 'dtype', '')}"
-        )
+    checked_tokens(tokens)
     b, l = tokens.shape
     if b == 0:
         raise ValueError("tokens has no rows (B=0)")
@@ -251,9 +247,8 @@ def pack(
     if padding_mask is None:
         padding_mask = torch.ones_like(tokens, dtype=torch.bool)
     elif padding_mask.shape != tokens.shape:
-        raise ValueError(
-            f"padding_mask shape {tuple(padding_mask.shape)} differs from tokens shape {(b, l)}"
-        )
+        raise ValueError(f"padding_mask shape {tuple(padding_mask.shape)} differs from tokens "
+                         f"shape {(b, l)}")
     padding_mask = as_padding_mask(padding_mask).to(tokens.device)
 
     p_first, p_len, p_ok = _contiguous_runs(padding_mask[:, :prompt_len])
@@ -276,11 +271,21 @@ def pack(
     num_groups = int(group_of_row.max()) + 1
     sizes = torch.bincount(group_of_row, minlength=num_groups)
     if group_size is not None and bool((sizes != group_size).any()):
-        raise ValueError(
-            f"group_size={group_size} but the prompts form groups of sizes {sizes.tolist()}"
-        )
+        raise ValueError(f"group_size={group_size} but the prompts form groups of sizes "
+                         f"{sizes.tolist()}")
     return _build(tokens, padding_mask, prompt_len, (pad_to, bucket_growth), group_of_row, p_first,
                   p_len, r_len)
+
+
+def checked_tokens(tokens) -> Tensor:
+    """`tokens` if it is an int64 or int32 tensor [B, L], else ValueError naming what it is
+    (uint8 or bool ids would pass the vocabulary check and fail deep inside the model)."""
+    ok = isinstance(tokens, Tensor) and tokens.dim() == 2
+    if not ok or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must be an integer tensor [B, L] of int64 or int32, got "
+                         f"{type(tokens).__name__} {tuple(getattr(tokens, 'shape', ()))} "
+                         f"{getattr(tokens, 'dtype', '')}")
+    return tokens
 
 
 def checked_prompt_len(prompt_len, length: int) -> int:

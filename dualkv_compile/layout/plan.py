@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from ..stats import counters, log_once
-from .packing import _as_int, as_padding_mask, checked_prompt_len
+from .packing import _as_int, _contiguous_runs, as_padding_mask, checked_prompt_len, \
+    checked_tokens, prompt_keys
 
 __all__ = ["MicroBatchPlan", "micro_batch_rows", "plan_micro_batches"]
 
@@ -98,15 +99,37 @@ def _checked_batch(padding_mask, prompt_len, group_size) -> tuple[Tensor, int, i
     return mask, prompt_len, group_size
 
 
+def _check_group_major(tokens, mask: Tensor, prompt_len: int, group_size: int) -> None:
+    """Raise unless rows g*N .. g*N+N-1 hold one valid prompt (N = group_size): the planner
+    costs each group's prompt from its first row, which interleaved groups make wrong."""
+    if checked_tokens(tokens).shape != mask.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and padding_mask {tuple(mask.shape)} "
+                         "differ in shape")
+    first, length, _ = _contiguous_runs(mask[:, :prompt_len].to(tokens.device))
+    keys = prompt_keys(tokens, first, length, prompt_len)
+    bad = (keys != keys[::group_size].repeat_interleave(group_size, 0)).any(1).nonzero()
+    if bad.numel():
+        row = int(bad[0])
+        raise ValueError(f"rows must be group-major (rows g*N .. g*N+N-1 share a prompt, "
+                         f"N = group_size = {group_size}): row {row}'s prompt differs from row "
+                         f"{row - row % group_size}'s, the first of its group")
+
+
 def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int,
-                       max_tokens: int) -> MicroBatchPlan:
+                       max_tokens: int, tokens: Tensor | None = None) -> MicroBatchPlan:
     """Micro-batches of the rollout batch `padding_mask [B, L]` (True = real token; columns
-    before `prompt_len` are the prompt, B a multiple of `group_size`, rows group-major), each
-    at most `max_tokens` packed tokens (except a row that alone exceeds it). Whole groups,
-    first-fit decreasing by packed size; groups over the budget are split (their prompt
-    computed once per part, logged). Bad arguments raise ValueError naming the value."""
+    before `prompt_len` are the prompt, B a multiple of `group_size`), each at most
+    `max_tokens` packed tokens (except a row that alone exceeds it). Whole groups, first-fit
+    decreasing by packed size; groups over the budget are split (their prompt computed once
+    per part, logged). Bad arguments raise ValueError naming the value.
+
+    Precondition: rows are group-major (rows g*N .. g*N+N-1 share a prompt). Only the mask is
+    read, so interleaved groups would be planned with wrong sizes; pass `tokens [B, L]` to
+    have it checked (ValueError naming the first row out of place)."""
     mask, prompt_len, group_size = _checked_batch(padding_mask, prompt_len, group_size)
     max_tokens = _positive_int("max_tokens", max_tokens)
+    if tokens is not None:
+        _check_group_major(tokens, mask, prompt_len, group_size)
     prompts, responses = _group_costs(mask, prompt_len, group_size)
     items, split = [], []
     for g, (p, rs) in enumerate(zip(prompts, responses)):
@@ -131,17 +154,21 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
 
 
 def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int,
-                     groups: int | None, max_tokens: int | None) -> list:
+                     groups: int | None, max_tokens: int | None,
+                     tokens: Tensor | None = None) -> list:
     """The rows of each micro-batch, as indices into the batch: `groups` whole groups each
     (slices; the last may hold fewer), or by packed-token budget when `max_tokens` is given
-    (index tensors; `groups` is then unused and may be None). Arguments are checked as in
-    `plan_micro_batches`; bad ones raise ValueError naming the value."""
+    (index tensors; `groups` is then unused and may be None). Rows must be group-major, as in
+    `plan_micro_batches`; `tokens`, when given, are checked for it. Arguments are checked as
+    in `plan_micro_batches`; bad ones raise ValueError naming the value."""
     mask, prompt_len, group_size = _checked_batch(padding_mask, prompt_len, group_size)
     if groups is not None or max_tokens is None:
         groups = _positive_int("groups", groups)
+    if tokens is not None:
+        _check_group_major(tokens, mask, prompt_len, group_size)
     if max_tokens is None:
         step = groups * group_size
         return [slice(s, s + step) for s in range(0, mask.shape[0], step)]
     plan = plan_micro_batches(mask, prompt_len=prompt_len, group_size=group_size,
-                              max_tokens=max_tokens)
+                              max_tokens=max_tokens)  # tokens were checked above
     return [torch.tensor(rows, device=padding_mask.device) for rows in plan.rows]

@@ -86,7 +86,19 @@ class GRPOLoss:
     def token_loss(self, old_logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor,
                    mask: Tensor, *, scale: float = 1.0):
         """This loss (times `scale`) as the per-token function that
-        `DualKVModel.response_loss` takes: (logprobs [M], flat index [M] into [B, R]) -> [M]."""
+        `DualKVModel.response_loss` takes: (logprobs [M], flat index [M] into [B, R]) -> [M].
+        old/ref/mask are [B, R] (mask: the response mask, not the [B, L] padding mask) and
+        advantages [B], of the rows response_loss gets. The function carries `response_shape`
+        = (B, R), which response_loss compares with its tokens' (B, L - prompt_len): a flat
+        index into another shape would read other tokens' values without an error."""
+        shapes = {name: tuple(x.shape) for name, x in [
+            ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
+            ("advantages", advantages), ("mask", mask)]}
+        br = shapes["mask"]  # (B, R)
+        if (len(br) != 2 or shapes["old_logprobs"] != br or shapes["ref_logprobs"] != br
+                or shapes["advantages"] != br[:1]):
+            raise ValueError(f"token_loss needs old_logprobs, ref_logprobs and mask of one "
+                             f"shape [B, R] and advantages [B]; got {shapes}")
         weights = (self.token_weights(mask) * scale).flatten()
         old, ref = old_logprobs.flatten(), ref_logprobs.flatten()
         adv = advantages[:, None].expand_as(old_logprobs).flatten()
@@ -95,6 +107,7 @@ class GRPOLoss:
             per_token = self._per_token(logprobs, old[index], ref[index], adv[index])
             return per_token * weights[index].to(per_token.dtype)
 
+        loss.response_shape = br
         return loss
 
     def _ratio_kl(self, logprobs, old_logprobs, ref_logprobs):

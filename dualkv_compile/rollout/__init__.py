@@ -6,7 +6,7 @@ graphs across calls (the recipe does)."""
 
 from .attention import decode_attention
 from .cache import RolloutCache, prompt_bucket
-from .engine import RolloutEngine
+from .engine import RolloutEngine, prompt_mask_of
 from .forward import SUPPORTED_FAMILIES, decoder_for
 from .plan import generate_groups, plan_calls
 from .sampling import SamplingParams, sample
@@ -21,5 +21,6 @@ __all__ = [
     "generate_groups",
     "plan_calls",
     "prompt_bucket",
+    "prompt_mask_of",
     "sample",
 ]

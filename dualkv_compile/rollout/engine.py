@@ -4,7 +4,10 @@
     responses = engine.generate(prompts, samples=16, max_generated_tokens=1024, pad_id=0,
                                 temperature=1.0, top_p=0.95, stop_token=eos, rng=generator)
 
-prompts [G, P] (left-padded with pad_id) -> responses [G * samples, T], rows group-major. Per
+prompts [G, P] (left- or right-padded with pad_id) -> responses [G * samples, T], rows
+group-major. A prompt is its tokens from the first to the last that is not pad_id: a pad_id
+between them (an eos inside a chat prompt, when pad_id is eos) is a token; `prompt_mask` says
+exactly which tokens are the prompt where this rule cannot. Per
 call: the prompts are prefilled once (padding stripped), the first tokens sampled from their
 last logits, then T - 1 decode steps run in chunks of `steps_per_graph`; on CUDA each chunk is
 one CUDA graph of the compiled step, and the stop tokens are checked once per chunk (the only
@@ -31,16 +34,29 @@ from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
 from .graphs import StepGraph, warm_up, weights_fingerprint
-from .sampling import SamplingParams, draw_noise, sample, stop_ids, stop_mask
+from .sampling import SamplingParams, draw_noise, integer_arg, sample, stop_ids, stop_mask
 from .step import make_decode_step, prefill
 from .weights import gathered_weights
 
-__all__ = ["RolloutEngine"]
+__all__ = ["RolloutEngine", "prompt_mask_of"]
 
 log = logging.getLogger(__name__)
 
 # distinct compiled keys per process: call shapes x prompt buckets (8 per doubling of length)
 _KEY_LIMIT = 256
+# KV-cache dtypes: the attention and its log-sum-exp merge compute in floating point
+_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def prompt_mask_of(prompts: Tensor, pad_id: int) -> Tensor:
+    """prompts [G, P] -> [G, P] bool, True at each prompt's tokens: those from its first to its
+    last token that is not pad_id. Padding is a leading (left) and/or trailing (right) run of
+    pad_id; a pad_id between real tokens is one of them. A row of only pad_id is all False."""
+    real = prompts != pad_id
+    cols = torch.arange(prompts.shape[1], device=prompts.device)
+    first = real.to(torch.int8).argmax(1, keepdim=True)  # argmax: the first maximum
+    last = prompts.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(1, keepdim=True)
+    return (cols >= first) & (cols <= last) & real.any(1, keepdim=True)
 
 
 @dataclass(eq=False)
@@ -62,6 +78,7 @@ class RolloutEngine:
     compile: torch.compile the decode step (default: on CUDA).
     cuda_graphs: replay `steps_per_graph` compiled steps as one CUDA graph (default: on CUDA
         when compiling).
+    steps_per_graph: decode steps per graph (or per eager chunk), and so per check of the stops.
     share_prompt: False replicates the prompt K/V per row (the conventional decoder, for
         baselines); the tokens are the same.
     """
@@ -89,18 +106,28 @@ class RolloutEngine:
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  stop_token: int | Sequence[int] | None = None,
                  rng: torch.Generator | None = None, dtype: torch.dtype | None = None,
-                 return_logprobs: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                 return_logprobs: bool = False,
+                 prompt_mask: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """prompts [G, P] -> responses [G * samples, T] (and with return_logprobs, each sampled
         token's logprob [G * samples, T] under softmax(logits / temperature), 0 after a stop).
         stop_token: the id, or ids (e.g. a generation config's eos_token_id list), that end a
-        response."""
+        response. dtype: the KV cache's (a floating dtype; default the weights'). prompt_mask
+        [G, P] bool: True at the prompt's tokens, taken in order (default: prompt_mask_of, i.e.
+        leading and trailing pad_id stripped; the tokens under False are not read)."""
         sampling = SamplingParams(temperature, top_k, top_p)
-        stops = stop_ids(stop_token, self.decoder.vocab_size)
-        compact, plen, pmax = self._check(prompts, samples, max_generated_tokens, pad_id, rng)
+        vocab = self.decoder.vocab_size
+        stops = stop_ids(stop_token, vocab)
+        samples = integer_arg("samples", samples, 1)
+        max_generated_tokens = integer_arg("max_generated_tokens", max_generated_tokens, 1)
+        pad_id = integer_arg("pad_id", pad_id, 0, vocab)  # the fill of finished rows: a token
+        dtype = dtype if dtype is not None else next(self.model.parameters()).dtype
+        if dtype not in _CACHE_DTYPES:
+            raise ValueError(f"dtype={dtype!r} (the KV cache's; default the weights') must be one "
+                             f"of {_CACHE_DTYPES}")
+        compact, plen, pmax = self._check(prompts, prompt_mask, max_generated_tokens, pad_id, rng)
         device = prompts.device
         on_cuda = device.type == "cuda"
         compiled = self.compile if self.compile is not None else on_cuda
-        dtype = dtype or next(self.model.parameters()).dtype
         implementation = self._implementation(device, dtype)
         if implementation == "flex" and compiled and not on_cuda:
             raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
@@ -173,33 +200,44 @@ class RolloutEngine:
                      f"Inductor's merges, not the Triton kernels (slower): {why}")
         return "triton" if runs else "flex"
 
-    def _check(self, prompts, samples, t, pad_id, rng):
-        if prompts.dim() != 2 or prompts.shape[0] < 1 or prompts.dtype not in (
-                torch.long, torch.int32):
-            raise ValueError(f"prompts {tuple(prompts.shape)} ({prompts.dtype}) must be [G, P] "
-                             "integer token ids, G >= 1")
-        if samples < 1 or t < 1:
-            raise ValueError(f"samples={samples} and max_generated_tokens={t} must be at least 1")
+    def _check(self, prompts, mask, t, pad_id, rng):
+        """Refuse bad prompts (and mask, rng) by name before anything runs on them; return the
+        prompts with their tokens first, in order, padded with pad_id ([G, P]), their lengths
+        [G] and the longest."""
+        if not (isinstance(prompts, Tensor) and prompts.dim() == 2 and prompts.shape[0] >= 1
+                and prompts.dtype in (torch.long, torch.int32)):
+            raise ValueError(f"prompts {_describe(prompts)} must be [G, P] integer token ids, "
+                             "G >= 1")
+        weights = next(self.model.parameters()).device
+        if prompts.device != weights:  # caught here, not as a device error inside the prefill
+            raise ValueError(f"prompts are on {prompts.device}, the model on {weights}; move the "
+                             "prompts to the model's device")
         if rng is not None and rng.device.type != prompts.device.type:
             raise ValueError(f"rng is on {rng.device}, the prompts on {prompts.device}; pass a "
                              f"generator of the prompts' device")
-        vocab = self.decoder.vocab_size
-        lo, hi = int(prompts.min()), int(prompts.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"prompts hold token id {lo if lo < 0 else hi}, outside the "
-                             f"model's vocabulary [0, {vocab})")
-        valid = prompts != pad_id
+        if mask is not None and not (isinstance(mask, Tensor) and mask.dtype == torch.bool and
+                                     mask.shape == prompts.shape and mask.device == prompts.device):
+            raise ValueError(f"prompt_mask {_describe(mask)} must be a bool tensor shaped and "
+                             f"placed like the prompts, {_describe(prompts)}")
+        valid = prompt_mask_of(prompts, pad_id) if mask is None else mask
         plen = valid.sum(1)
         empty = (plen == 0).nonzero()[:, 0].tolist()
         if empty:
-            raise ValueError(f"prompts {empty} hold only pad_id={pad_id}")
+            raise ValueError(f"prompts {empty} hold only pad_id={pad_id}" if mask is None else
+                             f"prompts {empty} have no token: prompt_mask is False throughout")
+        tokens = prompts[valid]  # the ones the model reads (not those under a False mask)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        vocab = self.decoder.vocab_size
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"prompts hold token id {lo if lo < 0 else hi}, outside the "
+                             f"model's vocabulary [0, {vocab})")
         pmax = int(plen.max())
         if pmax + t > self.decoder.max_seq_len:
             raise ValueError(f"a prompt of {pmax} tokens + max_generated_tokens={t} exceeds the "
                              f"model's context of {self.decoder.max_seq_len}")
-        # valid tokens first, in order (a stable sort of the padding flags)
+        # valid tokens first, in order (a stable sort of the padding flags), pad_id after them
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
-        return prompts.long().gather(1, order), plen, pmax
+        return torch.where(valid, prompts.long(), pad_id).gather(1, order), plen, pmax
 
     # ---- buffers, compiles, graphs -----------------------------------------------------------
     def _workspace_for(self, key: tuple, on_cuda: bool, compiled: bool) -> _Workspace:
@@ -288,6 +326,11 @@ class RolloutEngine:
                 return None
             self.stats["captures"] += 1
         return self._graph_gen
+
+
+def _describe(x) -> str:
+    return f"{tuple(x.shape)} {x.dtype} on {x.device}" if isinstance(x, Tensor) else \
+        f"({type(x).__name__})"
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

@@ -1,6 +1,7 @@
 """The reference sampler the engine is tested against: no cache, no sharing. Each step runs the
-model's own forward over every replicated row's whole sequence (left-padded prompt + the
-tokens so far) and samples the last position with the engine's sampler and the same draws."""
+model's own forward over every replicated row's whole sequence (padded prompt + the tokens so
+far, the padding masked out) and samples the last position with the engine's sampler and the
+same draws."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ __all__ = ["reference_generate"]
 
 
 def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
+    """The logits at each row's last valid token (a right-padded prompt's is not the last
+    column)."""
     positions = (valid.cumsum(1) - 1).clamp(min=0)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    last = positions.argmax(1)  # the first column of the largest position: the last valid one
     try:
         from torchtune.modules import TransformerDecoder
     except ImportError:
@@ -24,22 +29,28 @@ def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
         l = tokens.shape[1]
         causal = torch.ones(l, l, dtype=torch.bool, device=tokens.device).tril()
         mask = (causal & valid[:, None, :]) | torch.eye(l, dtype=torch.bool, device=tokens.device)
-        return model(tokens, mask=mask, input_pos=positions)[:, -1].float()
+        return model(tokens, mask=mask, input_pos=positions)[rows, last].float()
     out = model(input_ids=tokens, attention_mask=valid.long(), position_ids=positions,
                 use_cache=False)
-    return out.logits[:, -1].float()
+    return out.logits[rows, last].float()
 
 
 @torch.no_grad()
 def reference_generate(model, prompts: Tensor, *, samples: int, max_generated_tokens: int,
                        pad_id: int, temperature: float = 1.0, top_k: int | None = None,
                        top_p: float | None = None, stop_token: int | Sequence[int] | None = None,
-                       rng: torch.Generator | None = None) -> Tensor:
+                       rng: torch.Generator | None = None,
+                       prompt_mask: Tensor | None = None) -> Tensor:
     """What RolloutEngine.generate returns, computed the slow, obvious way."""
     params = SamplingParams(temperature, top_k, top_p)
     stops = stop_ids(stop_token)
-    tokens = prompts.repeat_interleave(samples, 0)
-    valid = tokens != pad_id
+    if prompt_mask is None:
+        # padding: the pad_id before a prompt's first other token and after its last one
+        real = prompts != pad_id
+        prompt_mask = (real.cumsum(1) > 0) & (real.flip(1).cumsum(1).flip(1) > 0)
+    valid = prompt_mask.repeat_interleave(samples, 0)
+    # the ids under a False mask are never read: any value, even outside the vocabulary
+    tokens = torch.where(valid, prompts.repeat_interleave(samples, 0), pad_id)
     rows, out = tokens.shape[0], []
     done = torch.zeros(rows, dtype=torch.bool, device=prompts.device)
     for _ in range(max_generated_tokens):

@@ -16,7 +16,29 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "draw_noise", "sample", "stop_ids", "stop_mask", "stop_table"]
+__all__ = ["SamplingParams", "draw_noise", "integer_arg", "sample", "stop_ids", "stop_mask",
+           "stop_table"]
+
+
+def _index(value) -> int | None:
+    """value as a Python int if it is an integer (int, numpy or 0-dim integer tensor), else None:
+    bools, floats (2.0 too: not truncated) and None are not ids or counts."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def integer_arg(name: str, value, low: int, high: int | None = None) -> int:
+    """value as an int in [low, high) (high None: no upper bound), else a ValueError naming the
+    argument and its value, raised before the value reaches a kernel."""
+    i = _index(value)
+    if i is None or i < low or (high is not None and i >= high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{name}={value!r} must be an integer {bound}")
+    return i
 
 
 @dataclass(frozen=True)
@@ -28,8 +50,8 @@ class SamplingParams:
     def __post_init__(self):
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
-            raise ValueError(f"top_k={self.top_k} must be a positive integer or None")
+        if self.top_k is not None:  # stored as an int: it is part of the compiled step's key
+            object.__setattr__(self, "top_k", integer_arg("top_k", self.top_k, 1))
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] or None")
 
@@ -73,10 +95,7 @@ def stop_ids(stop_token, vocab: int | None = None) -> tuple[int, ...]:
         given = list(stop_token) if hasattr(stop_token, "__iter__") else [stop_token]
     ids = []
     for raw in given:
-        try:
-            i = None if isinstance(raw, bool) else operator.index(raw)
-        except TypeError:
-            i = None
+        i = _index(raw)
         if i is None or i < 0 or (vocab is not None and i >= vocab):
             where = f"[0, {vocab})" if vocab is not None else "[0, vocab)"
             raise ValueError(f"stop_token={stop_token!r} is not a token id (or ids) in {where}")

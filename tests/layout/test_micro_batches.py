@@ -86,6 +86,42 @@ def test_a_small_batch_plans_as_expected():
                                max_tokens=None) == [slice(0, 2), slice(2, 4)]
 
 
+def test_tokens_check_that_rows_are_group_major():
+    # the planner costs group g from rows g*N .. g*N+N-1; with groups interleaved it plans
+    # sizes pack never builds: here [20, 20] where the packed micro-batches hold 22 each
+    tokens, mask, p = make_batch([8, 2], [[6, 6], [6, 6]], vocab=50,
+                                 generator=torch.Generator().manual_seed(0))
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=20,
+                                 tokens=tokens)  # group-major: accepted, the same plan
+    assert plan == dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=20)
+    order = torch.tensor([0, 2, 1, 3])
+    mixed, mixed_mask = tokens[order], mask[order]
+    blind = dk.plan_micro_batches(mixed_mask, prompt_len=p, group_size=2, max_tokens=20)
+    assert blind.packed_tokens == [20, 20]
+    assert [dk.pack(mixed[r], prompt_len=p, padding_mask=mixed_mask[r]).num_tokens
+            for r in blind.rows] == [22, 22]
+    match = r"rows must be group-major .*N = group_size = 2\): row 1's prompt differs from row 0's"
+    with pytest.raises(ValueError, match=match):
+        dk.plan_micro_batches(mixed_mask, prompt_len=p, group_size=2, max_tokens=20, tokens=mixed)
+    for max_tokens in (20, None):
+        with pytest.raises(ValueError, match=match):
+            dk.micro_batch_rows(mixed_mask, prompt_len=p, group_size=2, groups=1,
+                                max_tokens=max_tokens, tokens=mixed)
+    with pytest.raises(ValueError, match=r"tokens must be an integer tensor .* torch.float32"):
+        dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=20,
+                              tokens=tokens.float())
+    with pytest.raises(ValueError, match=r"tokens \(4, 7\) and padding_mask \(4, 14\) differ"):
+        dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=20,
+                              tokens=tokens[:, :7])
+    # equal valid prompts padded differently are one prompt, as pack groups them: row 3's
+    # prompt (2 tokens, left-padded to 8 columns) moved to the right-padded columns 0-1
+    tokens[3, :2], tokens[3, 2:p] = tokens[3, p - 2:p].clone(), 0
+    mask[3, :2], mask[3, 2:p] = True, False
+    assert dk.pack(tokens, prompt_len=p, padding_mask=mask).num_groups == 2
+    assert dk.micro_batch_rows(mask, prompt_len=p, group_size=2, groups=1, max_tokens=None,
+                               tokens=tokens) == [slice(0, 2), slice(2, 4)]
+
+
 PLAN_ARGS = {"prompt_len": 5, "group_size": 2, "max_tokens": 12}
 ROWS_ARGS = {"prompt_len": 5, "group_size": 2, "groups": 1, "max_tokens": None}
 
