@@ -17,6 +17,7 @@ to any token of its group's prompt (``prefix_segment_ids``).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -198,12 +199,16 @@ def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: in
 
 
 def _as_int(name: str, value) -> int:
-    """An int, or a 0-d integer tensor taken as one; anything else is refused by name."""
+    """An int (numpy's too), or a 0-d integer tensor taken as one; anything else (bool, float)
+    is refused by name."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
         return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return value
+    if not isinstance(value, (bool, Tensor)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
 def as_padding_mask(mask: Tensor) -> Tensor:

@@ -23,6 +23,8 @@ CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
 RESUME_FIXED = ("model", "tokenizer", "optimizer._component_")
 # keys that say how this run starts, expected to differ from the checkpoint's run: not listed
 _RUN_CONTROL = ("resume_from_checkpoint", "overwrite_output_dir")
+# keys that name where files are, not what they hold
+_LOCATIONS = ("path", "checkpoint_dir", "output_dir")
 
 
 def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
@@ -33,19 +35,25 @@ def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool) -> None
                            "or start over (replacing it) with overwrite_output_dir=true"])
 
 
-def set_aside(output_dir: Path, paths: list[Path]) -> Path | None:
+def set_aside(paths: list[Path]) -> list[Path]:
     """overwrite_output_dir=true over an earlier run: move its checkpoint and trained-weight
-    folders (those of `paths` that exist) into output_dir/replaced_<time>/, so that neither a
-    resume nor a reader of the newest folder takes the earlier run's for this one's. Nothing is
-    deleted. Returns the folder, or None when there was nothing to move."""
-    paths = [p for p in paths if p.exists()]
-    if not paths:
-        return None
-    aside = output_dir / f"replaced_{datetime.now():%Y%m%d_%H%M%S_%f}"
-    aside.mkdir(parents=True)
-    for p in paths:
-        p.rename(aside / p.name)
-    return aside
+    folders (those of `paths` that exist) into a replaced_<time>/ folder beside each (a rename
+    within its own folder, so never a copy across file systems), so that neither a resume nor a
+    reader of the newest folder takes the earlier run's for this one's. Nothing is deleted.
+    Returns the folders made."""
+    stamp = f"replaced_{datetime.now():%Y%m%d_%H%M%S_%f}"
+    made = []
+    for p in (p for p in paths if p.exists()):
+        aside = p.parent / stamp
+        try:
+            aside.mkdir(exist_ok=True)
+            p.rename(aside / p.name)
+        except OSError as e:
+            raise ConfigError([f"overwrite_output_dir=true: cannot move {p} aside into {aside} "
+                               f"({e.strerror or e}); move or remove it yourself"]) from None
+        if aside not in made:
+            made.append(aside)
+    return made
 
 
 def config_changes(saved: dict | None, current: dict) -> dict[str, tuple]:
@@ -67,8 +75,10 @@ def config_changes(saved: dict | None, current: dict) -> dict[str, tuple]:
 
 
 def check_resume_config(path: Path, changes: dict[str, tuple]) -> None:
-    """Raise ConfigError for changes to RESUME_FIXED keys, which the checkpoint cannot follow."""
-    fixed = [k for k in changes if any(k == f or k.startswith(f + ".") for f in RESUME_FIXED)]
+    """Raise ConfigError for changes to RESUME_FIXED keys, which the checkpoint cannot follow.
+    A path may move (the same weights copied to another disk): paths are listed, not refused."""
+    fixed = [k for k in changes if any(k == f or k.startswith(f + ".") for f in RESUME_FIXED)
+             and k.rsplit(".", 1)[-1] not in _LOCATIONS]
     if fixed:
         raise ConfigError([f"{k}: {changes[k][0]!r} when {path} was written, {changes[k][1]!r} "
                            "now; a resumed run must keep it (start a new run in another "
@@ -123,10 +133,10 @@ def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_s
                                       config=config)
     if overwrite and rank == 0:
         earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*")))]
-        aside = set_aside(checkpoint.parent, earlier)
-        if aside is not None:
+        made = set_aside(earlier)
+        if made:
             print(f"overwrite_output_dir=true: the earlier run's checkpoint and weights were "
-                  f"moved to {aside}", flush=True)
+                  f"moved to {', '.join(map(str, made))}", flush=True)
     return None, {}
 
 
@@ -137,7 +147,8 @@ def apply_config_changes(optimizer, changes: dict[str, tuple], *, step: int,
     keep the old ones; with `announce`, list every changed setting in one line."""
     if changes and announce:
         print(f"resuming step {step} with settings changed since it was saved (the config's "
-              "optimizer settings replace the checkpoint's): " + "; ".join(
+              "optimizer settings replace the checkpoint's; one the config no longer sets keeps "
+              "the checkpoint's): " + "; ".join(
                   f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()), flush=True)
     for key, (_, value) in changes.items():
         section, _, name = key.partition(".")

@@ -20,7 +20,9 @@ def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
     column)."""
     positions = (valid.cumsum(1) - 1).clamp(min=0)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    last = positions.argmax(1)  # the first column of the largest position: the last valid one
+    # the first column where the count of valid tokens reaches its total: the last valid one
+    # (positions' argmax would pick a leading padding column for a one-token prompt)
+    last = valid.long().cumsum(1).argmax(1)
     try:
         from torchtune.modules import TransformerDecoder
     except ImportError:

@@ -253,3 +253,15 @@ def test_two_hundred_steps_of_varying_lengths_compile_once_per_length_bucket():
     buckets_in_budget = {bucket_length(t, 128, 1.5) for t in range(1, budget + 1)}
     assert seen <= buckets_in_budget and len(buckets_in_budget) == 4  # 128, 256, 384, 640
     assert dk.counters["graphs_compiled"] == len(seen)
+
+
+def test_numpy_integers_are_ints_to_the_planner():
+    import numpy as np
+
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    want = dk.plan_micro_batches(mask, prompt_len=5, group_size=2, max_tokens=12)
+    got = dk.plan_micro_batches(mask, prompt_len=np.int64(5), group_size=np.int32(2),
+                                max_tokens=np.int64(12))
+    assert got == want
+    assert dk.micro_batch_rows(mask, prompt_len=5, group_size=np.int64(2), groups=np.int64(1),
+                               max_tokens=None) == [slice(0, 2), slice(2, 4)]

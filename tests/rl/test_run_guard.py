@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from recipe_helpers import CONFIG, load_recipe, run
 
 from dualkv_compile.rl.recipe_config import ConfigError, check_recipe_config, instantiate_checked
+from dualkv_compile.rl.run_guard import check_resume_config, set_aside
 
 
 def test_the_last_step_is_saved_once(tmp_path):
@@ -28,11 +29,12 @@ def test_resume_applies_a_changed_optimizer_setting_and_says_so(tmp_path, capsys
     run(tmp_path, "run", num_steps=1)
     capsys.readouterr()
     resumed = run(tmp_path, "run", num_steps=2, resume_from_checkpoint=True,
-                  **{"optimizer.lr": 0.5})
+                  **{"optimizer.lr": 0.5, "optimizer.betas": [0.8, 0.99]})
     out = capsys.readouterr().out
     assert "resuming step 1 with settings changed" in out and "optimizer.lr: 0.001 -> 0.5" in out
     assert "num_steps: 1 -> 2" in out and "resume_from_checkpoint" not in out
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.5]
+    assert [list(g["betas"]) for g in resumed.optimizer.param_groups] == [[0.8, 0.99]]
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert saved["optimizer"]["param_groups"][0]["lr"] == 0.5 and saved["config"]["num_steps"] == 2
 
@@ -93,3 +95,29 @@ def test_a_missing_file_of_a_component_names_its_section(tmp_path):
                              "path": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match=r"^tokenizer: tokenizer directory .*nope does not exist"):
         instantiate_checked("tokenizer", node)
+
+
+def test_a_resume_may_find_the_same_files_at_another_path():
+    check_resume_config("ck.pt", {"model.path": ("/data/qwen3", "/nvme/qwen3"),
+                                  "tokenizer.path": ("/data/qwen3", "/nvme/qwen3"),
+                                  "checkpointer.checkpoint_dir": ("/data/qwen3", "/nvme/qwen3")})
+    with pytest.raises(ConfigError, match="tokenizer.alphabet: 'ab' when ck.pt was written"):
+        check_resume_config("ck.pt", {"tokenizer.alphabet": ("ab", "abc")})
+
+
+def test_set_aside_moves_within_each_folder_and_names_what_it_cannot_move(tmp_path, monkeypatch):
+    run_dir, weights = tmp_path / "run", tmp_path / "elsewhere" / "hf"
+    (weights / "epoch_2").mkdir(parents=True)
+    run_dir.mkdir()
+    (run_dir / "checkpoint.pt").write_bytes(b"x")
+    made = set_aside([run_dir / "checkpoint.pt", weights / "epoch_2", run_dir / "absent"])
+    assert [m.parent for m in made] == [run_dir, weights]  # each beside what it holds
+    assert (made[0] / "checkpoint.pt").read_bytes() == b"x" and (made[1] / "epoch_2").is_dir()
+    (weights / "epoch_3").mkdir()
+
+    def refuse(self, target):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(type(weights), "rename", refuse)
+    with pytest.raises(ConfigError, match=r"cannot move .*epoch_3 aside .*cross-device link"):
+        set_aside([weights / "epoch_3"])

@@ -122,3 +122,12 @@ def test_prompts_on_another_device_than_the_model_are_refused_by_name():
     engine = RolloutEngine(model_of("qwen3").to("meta"))
     with pytest.raises(ValueError, match="prompts are on cpu, the model on meta"):
         engine.generate(ragged_prompts(), samples=2, max_generated_tokens=3, pad_id=PAD)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hf_qwen3"])
+def test_a_one_token_left_padded_prompt_agrees_with_the_reference(family):
+    # the reference picks each row's last real token; with one token after left padding, a
+    # position-based pick landed on a padding column
+    prompts = torch.tensor([[EOS, EOS, 11], [EOS, 12, 13], [14, EOS, EOS]])
+    tokens, _, theirs = run(model_of(family), prompts)
+    assert torch.equal(tokens, theirs)
