@@ -34,7 +34,8 @@ import dualkv_compile as dk
 from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
                                peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
-from dualkv_compile.rl.recipe_config import ConfigError, instantiate_checked, parse_checked
+from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
+                                             split_problem)
 from dualkv_compile.rl.run_guard import StopOnSignal, apply_config_changes, prepare_output_dir
 from dualkv_compile.rollout import RolloutEngine, plan_calls, prompt_mask_of
 from dualkv_compile.rollout.sampling import stop_mask
@@ -50,13 +51,11 @@ class GRPORecipe:
             raise ValueError(f"dtype={cfg.dtype!r} is not one of {sorted(_DTYPES)}")
         self.device = ddp.init_distributed(cfg.device)
         self.rank, self.world_size = ddp.world()
-        per_rank, rest = divmod(cfg.groups_per_step, self.world_size)
-        by_groups = cfg.get("max_tokens_per_micro_batch") is None
-        if rest or (by_groups and per_rank % cfg.micro_batch_groups):
-            raise ConfigError([f"groups_per_step={cfg.groups_per_step} must split into "
-                               f"{self.world_size} rank(s) x whole micro-batches of "
-                               f"micro_batch_groups={cfg.micro_batch_groups}"])
-        self.groups_per_rank = per_rank
+        problem = split_problem(cfg.groups_per_step, self.world_size, cfg.micro_batch_groups,
+                                by_groups=cfg.get("max_tokens_per_micro_batch") is None)
+        if problem:  # (the config check says so first under `tune run`)
+            raise ConfigError([f"groups_per_step={cfg.groups_per_step} {problem}"])
+        self.groups_per_rank = cfg.groups_per_step // self.world_size
         self.dtype = _DTYPES[cfg.dtype]
         self.output_dir = Path(cfg.output_dir)
         self.history: list[dict] = []  # the logged metrics, for tests

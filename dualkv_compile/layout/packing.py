@@ -17,11 +17,12 @@ to any token of its group's prompt (``prefix_segment_ids``).
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from ..arguments import as_index
 
 __all__ = ["PackedBatch", "bucket_length", "pack"]
 
@@ -203,12 +204,10 @@ def _as_int(name: str, value) -> int:
     is refused by name."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
         return int(value)
-    if not isinstance(value, (bool, Tensor)):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    index = None if isinstance(value, Tensor) else as_index(value)
+    if index is None:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return index
 
 
 def as_padding_mask(mask: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from ..attention.registry import KERNELS
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "instantiate_checked",
-           "parse_checked"]
+           "parse_checked", "split_problem"]
 
 
 class ConfigError(ValueError):
@@ -228,11 +228,10 @@ class _Checker:
         groups, micro = config.get("groups_per_step"), config.get("micro_batch_groups")
         ranks = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun (tune run --nproc...)
         if isinstance(groups, int) and isinstance(micro, int) and groups > 0 and micro > 0:
-            per_rank, rest = divmod(groups, ranks)
-            by_groups = config.get("max_tokens_per_micro_batch") is None
-            if rest or (by_groups and per_rank % micro):
-                self.bad("groups_per_step", f"{groups} must split into {ranks} rank(s) x whole "
-                         f"micro-batches of micro_batch_groups={micro}")
+            problem = split_problem(groups, ranks, micro,
+                                    by_groups=config.get("max_tokens_per_micro_batch") is None)
+            if problem:
+                self.bad("groups_per_step", f"{groups} {problem}")
 
 
 def _dotted(values: dict, prefix: str = "") -> set[str]:
@@ -268,6 +267,17 @@ def check_recipe_config(config: dict, *, config_file: str, overrides: list[str],
     if checker.problems:
         raise ConfigError(checker.problems)
     return checker.warnings
+
+
+def split_problem(groups_per_step: int, ranks: int, micro_batch_groups: int, *,
+                  by_groups: bool) -> str | None:
+    """What is wrong with splitting a step's groups over the ranks (and, micro-batching by
+    whole groups, over micro-batches of micro_batch_groups), or None."""
+    per_rank, rest = divmod(groups_per_step, ranks)
+    if rest or (by_groups and per_rank % micro_batch_groups):
+        return (f"must split into {ranks} rank(s) x whole micro-batches of "
+                f"micro_batch_groups={micro_batch_groups}")
+    return None
 
 
 def instantiate_checked(section: str, target, *args):

@@ -10,31 +10,21 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ..arguments import as_index
+
 __all__ = ["SamplingParams", "draw_noise", "integer_arg", "sample", "stop_ids", "stop_mask",
            "stop_table"]
-
-
-def _index(value) -> int | None:
-    """value as a Python int if it is an integer (int, numpy or 0-dim integer tensor), else None:
-    bools, floats (2.0 too: not truncated) and None are not ids or counts."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def integer_arg(name: str, value, low: int, high: int | None = None) -> int:
     """value as an int in [low, high) (high None: no upper bound), else a ValueError naming the
     argument and its value, raised before the value reaches a kernel."""
-    i = _index(value)
+    i = as_index(value)
     if i is None or i < low or (high is not None and i >= high):
         bound = f"in [{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name}={value!r} must be an integer {bound}")
@@ -88,14 +78,13 @@ def stop_ids(stop_token, vocab: int | None = None) -> tuple[int, ...]:
     several (a generation config's eos_token_id list); each checked against [0, vocab)."""
     if stop_token is None:
         return ()
-    try:
-        operator.index(stop_token)
-        given = [stop_token]
-    except TypeError:  # several ids, or something that is not an id (refused below)
-        given = list(stop_token) if hasattr(stop_token, "__iter__") else [stop_token]
+    if as_index(stop_token) is not None or not hasattr(stop_token, "__iter__"):
+        given = [stop_token]  # one id, or something that is not an id (refused below)
+    else:  # several ids (a 0-dim tensor is one id, above)
+        given = list(stop_token)
     ids = []
     for raw in given:
-        i = _index(raw)
+        i = as_index(raw)
         if i is None or i < 0 or (vocab is not None and i >= vocab):
             where = f"[0, {vocab})" if vocab is not None else "[0, vocab)"
             raise ValueError(f"stop_token={stop_token!r} is not a token id (or ids) in {where}")
