@@ -5,7 +5,8 @@ and, if it is a response token, its group's whole prompt. This backend runs thos
 as dense FA4 calls on the token-major packed tensors:
 
 - own: one varlen causal call over every segment (cu_seqlens = the segment boundaries);
-- cross: per group, its responses (a contiguous run of tokens) against its prompt, not causal;
+- cross: every group's responses (a contiguous run of tokens) against its prompt, not causal,
+  in one varlen call (cu_seqlens give each group's start, seqused its length);
 
 and merges a response row's two partial softmaxes by their log-sum-exp, in place. The backward
 calls both kernels' backward with the merged `out` and `lse` (the exact gradient of the merged
@@ -35,11 +36,23 @@ from .region_ops import plan_of_tables, register_autograd
 __all__ = ["flash_regions_attention_op", "plan_of_segments"]
 
 
+class Cross(NamedTuple):
+    """The cross call's varlen tables, int32 on the device: per group with responses, where its
+    responses (q) and its prompt (k) start, then T; and how many tokens each has."""
+    cu_q: Tensor
+    used_q: Tensor
+    cu_k: Tensor
+    used_k: Tensor
+    max_q: int
+    max_k: int
+
+
 class Plan(NamedTuple):
     bounds: tuple[int, ...]  # every segment's start, then T
     cu: Tensor  # the same, int32 on the device: FA4's cu_seqlens
     max_len: int  # the longest segment
     cross: tuple[tuple[int, int, int, int], ...]  # per group: responses [rs, re), prompt [ps, pe)
+    cross_tables: Cross | None  # None where no group has responses
 
 
 def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> Plan:
@@ -49,8 +62,19 @@ def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> Plan:
     bounds = tuple(b for prompt, spans in groups for b in [prompt[0]] + [s for s, _ in spans])
     bounds += (segment_ids.shape[0],)
     cross = tuple((spans[0][0], spans[-1][1], *prompt) for prompt, spans in groups if spans)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=segment_ids.device)
-    return Plan(bounds, cu, max(b - a for a, b in zip(bounds, bounds[1:])), cross)
+    device = segment_ids.device
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return Plan(bounds, cu, max(b - a for a, b in zip(bounds, bounds[1:])), cross,
+                _cross_tables(cross, bounds[-1], device))
+
+
+def _cross_tables(cross, total: int, device) -> Cross | None:
+    if not cross:
+        return None
+    table = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    used_q, used_k = [re - rs for rs, re, _, _ in cross], [pe - ps for _, _, ps, pe in cross]
+    return Cross(table([c[0] for c in cross] + [total]), table(used_q),
+                 table([c[2] for c in cross] + [total]), table(used_k), max(used_q), max(used_k))
 
 
 # ---- the kernels: token-major q [L, Hq, D], k/v [S, Hkv, D]; lse [Hq, L] float32 ------------
@@ -63,12 +87,18 @@ def _fa4_own_forward(q, k, v, plan, scale, out, lse):
                     causal=True, return_lse=True, out=out, lse=lse)
 
 
-def _fa4_cross_forward(q, k, v, scale):
+def _cross_args(x: Cross) -> dict:
+    return dict(cu_seqlens_q=x.cu_q, seqused_q=x.used_q, cu_seqlens_k=x.cu_k,
+                seqused_k=x.used_k, max_seqlen_q=x.max_q, max_seqlen_k=x.max_k, causal=False)
+
+
+def _fa4_cross_forward(q, k, v, plan, scale):
+    """Rows outside the plan's response runs are left unwritten."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse = _flash_attn_fwd(q[None], k[None], v[None], softmax_scale=scale, causal=False,
-                               return_lse=True)[:2]
-    return out[0], lse[0]
+    out, lse = _flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True,
+                               **_cross_args(plan.cross_tables))[:2]
+    return out, lse
 
 
 def _fa4_own_backward(dout, q, k, v, out, lse, plan, scale):
@@ -79,12 +109,12 @@ def _fa4_own_backward(dout, q, k, v, out, lse, plan, scale):
                            max_seqlen_q=plan.max_len, max_seqlen_k=plan.max_len)[:3]
 
 
-def _fa4_cross_backward(dout, q, k, v, out, lse, scale):
+def _fa4_cross_backward(dout, q, k, v, out, lse, plan, scale):
+    """dq on the response runs, dk/dv on the prompts; other rows are not to be read."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    grads = _flash_attn_bwd(q[None], k[None], v[None], out[None], dout[None],
-                            lse[None].contiguous(), softmax_scale=scale, causal=False)[:3]
-    return tuple(g[0] for g in grads)
+    return _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale,
+                           **_cross_args(plan.cross_tables))[:3]
 
 
 # CPU: regions.py's explicit math (head-major [1, H, L, D]) on the token-major tensors
@@ -107,8 +137,12 @@ def _math_own_forward(q, k, v, plan, scale, out, lse):
         out[a:b], lse[:, a:b] = o, l
 
 
-def _math_cross_forward(q, k, v, scale):
-    return _math_forward(q, k, v, scale, False)
+def _math_cross_forward(q, k, v, plan, scale):
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0],
+                                                dtype=accumulation_dtype(q.dtype))
+    for rs, re, ps, pe in plan.cross:
+        out[rs:re], lse[:, rs:re] = _math_forward(q[rs:re], k[ps:pe], v[ps:pe], scale, False)
+    return out, lse
 
 
 def _math_own_backward(dout, q, k, v, out, lse, plan, scale):
@@ -119,8 +153,12 @@ def _math_own_backward(dout, q, k, v, out, lse, plan, scale):
     return dq, dk, dv
 
 
-def _math_cross_backward(dout, q, k, v, out, lse, scale):
-    return _math_backward(dout, q, k, v, out, lse, scale, False)
+def _math_cross_backward(dout, q, k, v, out, lse, plan, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for rs, re, ps, pe in plan.cross:
+        dq[rs:re], dk[ps:pe], dv[ps:pe] = _math_backward(
+            dout[rs:re], q[rs:re], k[ps:pe], v[ps:pe], out[rs:re], lse[:, rs:re], scale, False)
+    return dq, dk, dv
 
 
 _FA4 = (_fa4_own_forward, _fa4_cross_forward, _fa4_own_backward, _fa4_cross_backward)
@@ -167,9 +205,10 @@ def flash_regions_forward(q, k, v, plan: Plan, scale: float):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype), device=q.device)
     own(q, k, v, plan, scale, out, lse)
-    for rs, re, ps, pe in plan.cross:
-        out_x, lse_x = cross(q[rs:re], k[ps:pe], v[ps:pe], scale)
-        _merge_into(out[rs:re], lse[:, rs:re], out_x, lse_x)
+    if plan.cross:
+        out_x, lse_x = cross(q, k, v, plan, scale)
+        for rs, re, _, _ in plan.cross:
+            _merge_into(out[rs:re], lse[:, rs:re], out_x[rs:re], lse_x[:, rs:re])
     return out, lse
 
 
@@ -177,12 +216,12 @@ def flash_regions_backward(dout, q, k, v, out, lse, plan: Plan, scale: float):
     """-> (dq, dk, dv), token-major like the inputs."""
     _, _, own, cross = _kernels(q)
     dq, dk, dv = own(dout, q, k, v, out, lse, plan, scale)
-    for rs, re, ps, pe in plan.cross:
-        gq, gk, gv = cross(dout[rs:re], q[rs:re], k[ps:pe], v[ps:pe], out[rs:re],
-                           lse[:, rs:re], scale)
-        dq[rs:re] += gq
-        dk[ps:pe] += gk
-        dv[ps:pe] += gv
+    if plan.cross:
+        gq, gk, gv = cross(dout, q, k, v, out, lse, plan, scale)
+        for rs, re, ps, pe in plan.cross:
+            dq[rs:re] += gq[rs:re]
+            dk[ps:pe] += gk[ps:pe]
+            dv[ps:pe] += gv[ps:pe]
     return dq, dk, dv
 
 

@@ -282,7 +282,7 @@ def test_token_major_strided_inputs(backend):
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
 
 
-def test_flash_regions_plan_has_one_cross_call_per_group_with_responses():
+def test_flash_regions_plan_has_one_cross_run_per_group_with_responses():
     from dualkv_compile.attention.flash_regions import plan_of_segments
 
     g = torch.Generator().manual_seed(23)
@@ -299,6 +299,15 @@ def test_flash_regions_plan_has_one_cross_call_per_group_with_responses():
     # or the padding, whichever is longer
     assert plan.cu.dtype == torch.int32 and plan.cu.device == pb.segment_ids.device
     assert plan.max_len == max(30, pb.padding_span[1] - pb.padding_span[0])
+    # the one varlen cross call: each group's responses from cu_q for used_q tokens, against its
+    # prompt from cu_k for used_k tokens
+    x = plan.cross_tables
+    assert x.cu_q.tolist() == [c[0] for c in cross] + [pb.seq_len]
+    assert x.used_q.tolist() == [re - rs for rs, re, _, _ in cross]
+    assert x.cu_k.tolist() == [c[2] for c in cross] + [pb.seq_len]
+    assert x.used_k.tolist() == [pe - ps for _, _, ps, pe in cross]
+    assert (x.max_q, x.max_k) == (max(x.used_q.tolist()), max(x.used_k.tolist()))
+    assert all(t.dtype == torch.int32 for t in (x.cu_q, x.used_q, x.cu_k, x.used_k))
 
 
 def test_flash_regions_plan_refuses_a_misplaced_response():

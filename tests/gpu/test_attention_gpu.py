@@ -73,6 +73,8 @@ LAYOUTS = [
     ([7, 300, 1], [[1] * 5, [100, 3], [500]], 4, 4, 16),
     ([1000, 900, 1], [[600, 1, 0, 333, 128], [257] * 5, [64, 64]], 32, 8, 128),
     ([2048], [[512] * 16], 32, 8, 128),
+    # groups without responses between groups with them (flash_regions' cross call skips them)
+    ([50, 400, 9, 77], [[0, 0], [33, 200, 1], [0], [5, 130]], 16, 4, 128),
     # head dim 64 at GQA 1 and 8: the tuned sm_90 Triton entries (kernel_options.py)
     ([300, 17], [[200, 0, 90], [64] * 4], 8, 8, 64),
     ([513], [[128, 300, 5]], 16, 2, 64),
