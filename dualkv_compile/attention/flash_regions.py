@@ -15,9 +15,9 @@ the prompt's.
 
 Why: FA4's dense non-causal backward tiles the cross region 80 x 128 (its non-causal sm_90
 configuration), where the block-sparse call that flex makes is held to 64 x 128 by its 128-row
-sparse blocks; the larger tiles make the cross region's backward faster (docs/performance.md,
-"flash_regions"). On CPU (and for the CPU tests) the same plan
-runs with explicit math in the inputs' dtype, widened to at least float32.
+sparse blocks; the larger tiles make the cross region's backward faster, and no tile evaluates a
+mask (docs/performance.md, "flash_regions"). On CPU (and for the CPU tests) the same plan runs
+with explicit math in the inputs' dtype, widened to at least float32.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
     AttentionKernel("flash", flex=True, cuda_only=True, op_name=None, runs_on="flash-attn-4",
                     cuda_form="flex lowered to flash-attn-4", cpu_form=None,
                     kept_because="flex lowered to flash-attn-4: 1.08-1.13x the ideal pair "
-                                 "reduction against cuDNN dense on aligned layouts, the fastest "
-                                 "kernel on ragged layouts at 2K/512 caps (H100)"),
+                                 "reduction against cuDNN dense on aligned layouts (H100), "
+                                 "the flex kernel `auto` takes with flash-attn-4"),
     AttentionKernel("triton", flex=True, cuda_only=True, op_name=None, runs_on=None,
                     cuda_form="Inductor's flex template", cpu_form=None,
                     kept_because="Inductor's flex template: the flex kernel wherever "
@@ -87,8 +87,9 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                              "flash-attn-4's calls",
                     kept_because="flash-attn-4's dense kernels over the two regions: the "
                                  "fastest policy update at (32, 8K, 1K), 1052 vs 1061 ms "
-                                 "(60.3% useful MFU), and 0.81-0.85x vs flex FLASH's 0.75-0.84x "
-                                 "on ragged layouts at 4K/1K and 8K/2K caps (H100)"),
+                                 "(60.3% useful MFU, H100), and the fastest kernel on ragged "
+                                 "layouts: 0.81-0.95x the ideal vs flex FLASH's 0.70-0.87x "
+                                 "(H200)"),
 )}
 FLEX_KERNELS = tuple(name for name, k in KERNELS.items() if k.flex)
 
