@@ -94,6 +94,8 @@ class DualKVConfig:
         if not isinstance(self.kernel_options, dict):
             raise ValueError(f"kernel_options={self.kernel_options!r} must be a dict")
         validate_kernel_options(self.kernel_options)
+        # a copy: the caller's dict changing later must not change a frozen config
+        object.__setattr__(self, "kernel_options", dict(self.kernel_options))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -17,6 +17,13 @@ def test_frozen():
         DualKVConfig().pad_to = 256
 
 
+def test_kernel_options_are_copied():
+    options = {"BLOCK_M": 64}
+    cfg = DualKVConfig(kernel_options=options)
+    options["BLOK_N"] = 32  # a typo added later, after validation, must not reach the config
+    assert cfg.kernel_options == {"BLOCK_M": 64}
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"version": 2}, "version=2"),
     ({"enabled": 1}, "enabled=1 must be a bool"),

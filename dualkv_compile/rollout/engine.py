@@ -167,7 +167,7 @@ class RolloutEngine:
             first = sample(logits, c.noise, sampling)
             c.tokens.copy_(first)
             c.out[:, 0] = first
-            c.logprobs[:, 0] = (logits / temperature).log_softmax(-1).gather(
+            c.logprobs[:, 0] = (logits / sampling.temperature).log_softmax(-1).gather(
                 1, first[:, None])[:, 0]
             if stops:
                 c.done.copy_(stop_mask(first, stops))

@@ -10,6 +10,8 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +40,24 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0")
+        temperature = _real(self.temperature)
+        if temperature is None or not 0 < temperature < math.inf:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number > 0")
+        object.__setattr__(self, "temperature", temperature)
         if self.top_k is not None:  # stored as an int: it is part of the compiled step's key
             object.__setattr__(self, "top_k", integer_arg("top_k", self.top_k, 1))
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] or None")
+        if self.top_p is not None:
+            top_p = _real(self.top_p)
+            if top_p is None or not 0 < top_p <= 1:
+                raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1] or None")
+            object.__setattr__(self, "top_p", top_p)
+
+
+def _real(value) -> float | None:
+    """value as a float if it is a real number (not a bool, a string or a tensor), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
 
 
 def draw_noise(noise: Tensor, generator: torch.Generator | None) -> Tensor:
