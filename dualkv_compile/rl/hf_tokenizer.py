@@ -35,12 +35,19 @@ class HFTokenizer:
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids) -> str:
-        """The text up to the first stop token."""
+        """The text up to the first stop token, without the padding: the leading and trailing
+        runs of pad_id (the rollout's rule, rollout.prompt_mask_of); a pad_id inside the text
+        is kept."""
         ids = [int(i) for i in ids]
         stops = [at for at, i in enumerate(ids) if i in self.stop_tokens]
         if stops:
             ids = ids[: stops[0]]
-        return self._tok.decode([i for i in ids if i != self.pad_id], skip_special_tokens=True)
+        start, end = 0, len(ids)
+        while start < end and ids[start] == self.pad_id:
+            start += 1
+        while end > start and ids[end - 1] == self.pad_id:
+            end -= 1
+        return self._tok.decode(ids[start:end], skip_special_tokens=True)
 
 
 def _generation_eos_ids(path) -> list[int]:

@@ -116,6 +116,14 @@ def test_a_generation_configs_eos_list_stops_responses(checkpoint):
     assert tok.decode(tok.encode("abzcd", add_bos=False)) == "ab"
 
 
+def test_decode_drops_only_the_padding_runs(checkpoint):
+    folder, _ = checkpoint
+    tok = HFTokenizer(str(folder))
+    tok.pad_id = tok.encode("b", add_bos=False)[0]  # an ordinary id as the pad token
+    ids = [tok.pad_id] + tok.encode("xbx", add_bos=False) + [tok.pad_id] * 2
+    assert tok.decode(ids) == "xbx"
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer directory"):
         HFTokenizer(str(tmp_path / "nope"))
