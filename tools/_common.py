@@ -14,8 +14,8 @@ import torch
 
 from .models import CliError
 
-__all__ = ["add_shapes_argument", "check_out_path", "environment", "interleaved_medians",
-           "write_results"]
+__all__ = ["add_out_argument", "add_shapes_argument", "check_out_path", "environment",
+           "interleaved_medians", "write_results"]
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -51,6 +51,23 @@ def check_out_path(out: str, *, folder: bool) -> Path:
     if not os.access(base, os.W_OK | os.X_OK):
         raise CliError(f"--out {out}: the directory {base} is not writable")
     return path
+
+
+def _results_stem(text: str) -> str:
+    """--out OUT of a benchmark: OUT.json and OUT.md are checked before any work is done
+    (argparse reports a bad path with the usage, exit 2)."""
+    for suffix in (".json", ".md"):
+        try:
+            check_out_path(text + suffix, folder=False)
+        except CliError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_out_argument(ap: argparse.ArgumentParser) -> None:
+    """--out OUT: where a benchmark writes OUT.json and OUT.md (checked when parsed)."""
+    ap.add_argument("--out", default=None, type=_results_stem, metavar="OUT",
+                    help="write OUT.json and OUT.md (the directory must exist)")
 
 
 def add_shapes_argument(ap: argparse.ArgumentParser, defaults: list[str]) -> None:

@@ -25,7 +25,8 @@ import tarfile
 
 import torch
 
-from dualkv_compile.tools._common import environment, interleaved_medians, write_results
+from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
+                                          write_results)
 
 OTHER = "dualkv_other"
 # where setuptools maps these source folders inside the package
@@ -91,7 +92,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=1000)
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.prepare:
         return prepare(args.prepare, args.other_dir)

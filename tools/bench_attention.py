@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention.op import _flex_attention
 from dualkv_compile.attention.block_mask import shared_prefix_block_mask
-from dualkv_compile.tools._common import (add_shapes_argument, environment,
+from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
                                           interleaved_medians, write_results)
 
 # the five shapes of issue #4, then long context (P=32K) and a layout of > 262,144 packed tokens
@@ -363,7 +363,7 @@ def main(argv=None):
     ap.add_argument("--flex-flash", action="store_true",
                     help="also time flex FLASH (the mask_mod form) where ours_flash runs FA4's "
                          "causal form (block-aligned layouts, dualkv_compile/attention/flash_causal.py)")
-    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")

@@ -16,7 +16,8 @@ import json
 
 import torch
 
-from dualkv_compile.tools._common import environment, interleaved_medians, write_results
+from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
+                                          write_results)
 
 # Qwen3-8B: hidden 4096, 32 x 128 query heads, 8 x 128 key-value heads, MLP 12288
 GROUPS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [12288, 12288]),
@@ -46,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[40960])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=1000)
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")

@@ -21,7 +21,8 @@ from unittest import mock
 import torch
 
 from dualkv_compile.lm_head import logprobs as lp
-from dualkv_compile.tools._common import environment, interleaved_medians, write_results
+from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
+                                          write_results)
 
 
 def _eager_kernels(device):
@@ -36,7 +37,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")

@@ -36,7 +36,7 @@ from dualkv_compile.attention.block_mask import (_classify_blocks, _to_indices, 
 from dualkv_compile.attention.kernel_options import kernel_options_for
 from dualkv_compile.attention.op import _flex
 from dualkv_compile.recompiles import bounded_recompiles
-from dualkv_compile.tools._common import (add_shapes_argument, environment,
+from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
                                           interleaved_medians, write_results)
 
 DEFAULT_SHAPES = ["32,4096,1024", "64,2048,512", "32,8192,1024"]
@@ -113,7 +113,7 @@ def main(argv=None):
                     help="also time FA4's varlen kernel on the ragged rows (x ideal)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=3000)
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.ragged and "--shapes" not in (sys.argv[1:] if argv is None else argv):
         args.shapes = []

@@ -28,7 +28,8 @@ import torch
 
 import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
-from dualkv_compile.tools._common import add_shapes_argument, environment, write_results
+from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
+                                          write_results)
 from dualkv_compile.tools.step_inputs import build_model, layouts, useful_flops
 from dualkv_compile.tools.step_profile import print_profile
 
@@ -231,7 +232,7 @@ def main(argv=None):
                     help="also time bench_ragged's seeded layout and its aligned twin")
     ap.add_argument("--max-tokens", type=int, default=262144,
                     help="replicated tokens per ragged micro-batch at most")
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, profile one step of each variant at the first "
                          "shape and print the kernels that take the most GPU time")

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.testing import make_batch
-from dualkv_compile.tools._common import environment, interleaved_medians, write_results
+from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
+                                          write_results)
 from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
@@ -223,7 +224,7 @@ def main(argv=None):
     ap.add_argument("--rep-ms", type=int, default=600)
     ap.add_argument("--tiles-only", action="store_true",
                     help="count the tiles of each case (CPU) and time nothing")
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.tiles_only:
         rows = [run_case(seed, p_cap, r_cap, args)

@@ -30,7 +30,8 @@ import torch
 from dualkv_compile.models import qwen3_8b
 from dualkv_compile.models.qwen3 import QWEN3_SIZES, QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine
-from dualkv_compile.tools._common import add_shapes_argument, environment, write_results
+from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
+                                          write_results)
 
 
 def _copy_bandwidth() -> float:
@@ -185,7 +186,7 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="write the top CUDA kernels of one rollout of R tokens (compiled, "
                          "CUDA graphs) of each engine variant to PATH_<variant>_...txt")
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention.kernel_options import validate_kernel_options
-from dualkv_compile.tools._common import environment, interleaved_medians
+from dualkv_compile.tools._common import add_out_argument, environment, interleaved_medians
 
 FWD_CANDIDATES = [
     {},  # Inductor's defaults
@@ -103,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--rep-ms", type=int, default=300)
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="keep a tuned entry only if it is this much faster than the defaults")
-    ap.add_argument("--out", default=None)
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("tuning needs a CUDA GPU")

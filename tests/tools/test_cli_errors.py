@@ -143,3 +143,18 @@ def test_ragged_caps_are_checked_by_argparse_which_names_the_benchmark(caps, cap
     with pytest.raises(SystemExit):  # the module's entry point names itself
         bench.main(["ragged", "--caps", caps])
     assert "usage: python -m dualkv_compile.tools.bench ragged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench_name", ["ragged", "attention", "step", "rollout", "lm-head",
+                                        "mask-forms", "linears", "ab"])
+def test_a_benchmarks_out_is_checked_before_the_work(bench_name, tmp_path, capsys):
+    """Before any model is built or anything timed: a missing directory, or OUT.json that is a
+    directory, ends the benchmark with argparse's usage and exit 2."""
+    (tmp_path / "x.json").mkdir()
+    for out, message in [(f"{tmp_path}/missing/x", "no such directory"),
+                         (f"{tmp_path}/x", "x.json: is a directory; name a file")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", bench_name, "--out", out])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"usage: dualkv bench {bench_name}" in err and message in err, err
