@@ -88,8 +88,8 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                     kept_because="flash-attn-4's dense kernels over the two regions: the "
                                  "fastest policy update at (32, 8K, 1K), 1052 vs 1061 ms "
                                  "(60.3% useful MFU, H100), and the fastest kernel on ragged "
-                                 "layouts: 0.81-0.95x the ideal vs flex FLASH's 0.70-0.87x "
-                                 "(H200)"),
+                                 "layouts: 0.78-0.95x the ideal vs flex FLASH's 0.74-0.90x "
+                                 "(H100; 0.81-0.95 vs 0.70-0.87 on an H200)"),
 )}
 FLEX_KERNELS = tuple(name for name, k in KERNELS.items() if k.flex)
 
