@@ -53,21 +53,20 @@ def check_out_path(out: str, *, folder: bool) -> Path:
     return path
 
 
-def _results_stem(text: str) -> str:
-    """--out OUT of a benchmark: OUT.json and OUT.md are checked before any work is done
-    (argparse reports a bad path with the usage, exit 2)."""
-    for suffix in (".json", ".md"):
-        try:
-            check_out_path(text + suffix, folder=False)
-        except CliError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+def add_out_argument(ap: argparse.ArgumentParser, suffixes=(".json", ".md")) -> None:
+    """--out OUT: a benchmark writes OUT + each suffix; the paths are checked when the
+    arguments are parsed, before any work (argparse reports a bad one with the usage, exit 2)."""
+    def stem(text: str) -> str:
+        for suffix in suffixes:
+            try:
+                check_out_path(text + suffix, folder=False)
+            except CliError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        return text
 
-
-def add_out_argument(ap: argparse.ArgumentParser) -> None:
-    """--out OUT: where a benchmark writes OUT.json and OUT.md (checked when parsed)."""
-    ap.add_argument("--out", default=None, type=_results_stem, metavar="OUT",
-                    help="write OUT.json and OUT.md (the directory must exist)")
+    ap.add_argument("--out", default=None, type=stem, metavar="OUT",
+                    help=f"write {' and '.join('OUT' + x for x in suffixes)} (the directory "
+                         "must exist)")
 
 
 def add_shapes_argument(ap: argparse.ArgumentParser, defaults: list[str]) -> None:

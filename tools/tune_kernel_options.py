@@ -103,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--rep-ms", type=int, default=300)
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="keep a tuned entry only if it is this much faster than the defaults")
-    add_out_argument(ap)
+    add_out_argument(ap, suffixes=(".json",))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("tuning needs a CUDA GPU")

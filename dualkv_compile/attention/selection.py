@@ -57,7 +57,8 @@ def flash_status(device: torch.device, head_dim: int | None = None,
 # GPU name fragment -> (kernel "auto" takes with FA4, without FA4, the measurement behind it).
 # "auto" is a flex kernel (one compiled graph form for every layout, configured by
 # kernel_options); the region kernels stay opt-in: regions loses to it on ragged layouts, and
-# flash_regions, 2-15% faster on them, gains about 1.5% of a policy update (H200,
+# flash_regions, 2-15% faster on them, gains about 1.5% of a policy update, within run-to-run
+# drift (H200,
 # docs/performance.md "flash_regions with one cross call").
 MEASURED = {
     "H100": ("FLASH", "TRITON",
