@@ -172,13 +172,16 @@ def test_bench_suite_dispatches_each_benchmark(monkeypatch, capsys):
     calls = []
     for name, (module, _) in bench.SUITE.items():
         monkeypatch.setattr(importlib.import_module(module), "main",
-                            lambda argv, module=module: calls.append((module, argv)))
+                            lambda argv, prog, module=module: calls.append((module, argv, prog)))
     assert main(["bench", "attention", "--shapes", "1,128,128"]) == 0
     bench.main(["model", "--layers", "2"])
     bench.main(["step"])
-    assert calls == [("dualkv_compile.tools.bench_attention", ["--shapes", "1,128,128"]),
-                     ("dualkv_compile.tools.bench_policy_update", ["--no-optimizer", "--layers", "2"]),
-                     ("dualkv_compile.tools.bench_policy_update", [])]
+    module_prog = "python -m dualkv_compile.tools.bench"
+    assert calls == [("dualkv_compile.tools.bench_attention", ["--shapes", "1,128,128"],
+                      "dualkv bench attention"),
+                     ("dualkv_compile.tools.bench_policy_update", ["--no-optimizer", "--layers", "2"],
+                      f"{module_prog} model"),
+                     ("dualkv_compile.tools.bench_policy_update", [], f"{module_prog} step")]
     with pytest.raises(SystemExit, match="unknown benchmark 'speed'"):
         bench.main(["speed"])
 

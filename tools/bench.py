@@ -42,13 +42,7 @@ def run(name: str, argv: list[str], prog: str | None = None) -> None:
     if name not in SUITE:
         raise SystemExit(f"unknown benchmark {name!r}; choose one of {sorted(SUITE)}")
     module, fixed = SUITE[name]
-    # the benchmarks' ArgumentParsers take their prog from sys.argv[0]
-    saved = sys.argv
-    sys.argv = [prog or f"dualkv bench {name}", *sys.argv[1:]]
-    try:
-        importlib.import_module(module).main(fixed + list(argv))
-    finally:
-        sys.argv = saved
+    importlib.import_module(module).main(fixed + list(argv), prog=prog or f"dualkv bench {name}")
 
 
 def main(argv=None) -> None:

@@ -78,8 +78,9 @@ def variant(lib, tokens, mask, plen, kernel, x, gout):
     return run, x
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--prepare", metavar="COMMIT", help="write COMMIT's package and exit")
     ap.add_argument("--other-dir", required=True)
     ap.add_argument("--kernels", nargs="+", default=["flash", "triton", "regions",

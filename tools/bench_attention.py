@@ -339,8 +339,9 @@ def markdown(meta, rows) -> str:
     return head + "\n".join(lines) + "\n" + (split_markdown(rows) if split else "")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)

@@ -42,8 +42,9 @@ def _variants(x, dy_parts, weights):
     }
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[40960])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=1000)

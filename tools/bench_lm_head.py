@@ -29,8 +29,9 @@ def _eager_kernels(device):
     return lp._chunk_stats, lp._chunk_grad
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[32768],
                     help="response positions (N x R)")
     ap.add_argument("--dim", type=int, default=4096)

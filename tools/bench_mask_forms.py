@@ -102,8 +102,9 @@ def _layouts(args, dev):
         yield label, pack(tokens.to(dev), prompt_len=p, padding_mask=mask.to(dev)), mask
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--ragged", nargs="*", default=[], help="P_cap,R_cap,seed cases")
     ap.add_argument("--max-tokens", type=int, default=262144)

@@ -186,8 +186,9 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
     return results
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--model", choices=["qwen3_8b", "qwen3_30b_a3b"], default="qwen3_8b",
                     help="the decoder's shape: Qwen3-8B, or the Qwen3-30B-A3B mixture of "

@@ -205,8 +205,9 @@ def _parse_caps(text: str) -> tuple[int, int]:
     return p_cap, r_cap
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--caps", type=_parse_caps, nargs="+", default=list(CAPS),
                     metavar="P_cap,R_cap", help="prompt and response length caps (default: "

@@ -171,8 +171,9 @@ def _profile(model, prompts, n, r, shared, attention, path):
                             max_name_column_width=100))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    """`prog` names the benchmark in its usage and errors (default: the script's name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, ["16,4096,256"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--groups", type=int, nargs="+", default=[1], help="prompts per call")
