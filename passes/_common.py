@@ -8,11 +8,16 @@ from pathlib import Path
 
 import torch.fx as fx
 
-__all__ = ["Refusal", "example", "op_name", "source_line", "pass_uuid"]
+__all__ = ["REWRITTEN", "Refusal", "example", "op_name", "source_line", "pass_uuid"]
 
 
 class Refusal(Exception):
     """A pass cannot prove the rewrite exact; the message names the op and its source line."""
+
+
+# node.meta key marking the flex_attention calls attention_rewrite inserted (token_locality
+# trusts only those)
+REWRITTEN = "dualkv_rewritten_attention"
 
 
 def example(node):

@@ -27,7 +27,7 @@ from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, example, op_name, pass_uuid, source_line
+from ._common import REWRITTEN, Refusal, example, op_name, pass_uuid, source_line
 
 __all__ = ["rewrite_attention", "find_anchor", "uuid"]
 
@@ -82,7 +82,10 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None:
-    """A model-built mask is accepted only if it derives from positions and shapes alone."""
+    """A model-built mask is accepted only if it derives from positions and shapes alone, and
+    is causal: evaluated for one row whose positions are 0..T-1, it must let each query see
+    exactly the keys up to itself (a sliding window, an ALiBi bias or a bidirectional mask is
+    refused)."""
     inputs = [a for a in _ancestors(mask) | {mask} if a.op == "placeholder"]
     bad = [a for a in inputs if a is not positions]
     if bad:
@@ -91,6 +94,54 @@ def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None
             f"{[a.name for a in bad]}, not from positions alone; only causal attention can be "
             f"rewritten to the shared-prefix layout"
         )
+    if mask.meta.get("dualkv_causal") is None:  # once per mask node (layers share it)
+        mask.meta["dualkv_causal"] = _is_causal_mask(_evaluate_mask(mask, positions))
+    if not mask.meta["dualkv_causal"]:
+        raise Refusal(
+            f"attention at {source_line(node)} uses a mask built from positions that is not "
+            f"causal (for a row at positions 0..T-1 some query sees other keys than those up "
+            f"to itself: a sliding window, a bias such as ALiBi, or bidirectional attention); "
+            f"only causal attention can be rewritten to the shared-prefix layout"
+        )
+
+
+def _evaluate_mask(mask: fx.Node, positions: fx.Node):
+    """The value of `mask` computed by the graph's own nodes for positions 0..T-1."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    needed = _ancestors(mask) | {mask}
+    graph = fx.Graph()
+    env = {positions: graph.placeholder("positions")}  # a mask may not read it at all
+    for n in mask.graph.nodes:
+        if n in needed and n is not positions:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[mask])
+    module = fx.GraphModule(mask.graph.owning_module, graph)
+    pos = example(positions)
+    with unset_fake_temporarily(), torch.no_grad():
+        value = torch.arange(pos.shape[-1], dtype=pos.dtype, device=pos.device)
+        return module(value.expand(pos.shape).contiguous())
+
+
+def _is_causal_mask(mask, rows: int = 2048) -> bool:
+    """A boolean mask True exactly on and below the diagonal, or an additive float mask 0 there
+    and -inf (or at most half the dtype's lowest value) above; leading dims broadcast."""
+    if not isinstance(mask, Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    t = mask.shape[-1]
+    flat = mask.reshape(-1, t, t)
+    for r in range(0, t, rows):  # row blocks: no [T, T] temporaries beyond the mask itself
+        block = flat[:, r:r + rows]
+        q = torch.arange(r, r + block.shape[1], device=mask.device)[:, None]
+        causal = torch.arange(t, device=mask.device)[None, :] <= q
+        if mask.dtype == torch.bool:
+            ok = bool((block == causal).all())
+        else:
+            blocked = block <= torch.finfo(mask.dtype).min / 2
+            ok = bool(((block == 0) == causal).all()) and bool((blocked == ~causal).all())
+        if not ok:
+            return False
+    return True
 
 
 def _check_sdpa(node: fx.Node, args: dict, positions: fx.Node) -> None:
@@ -323,6 +374,7 @@ def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_back
                 (args["query"], args["key"], args["value"], score_attr, block_mask, scale,
                  options, (), (visible_until,)),
             )
+            hop.meta[REWRITTEN] = True  # token_locality trusts only this flex call
             out = graph.call_function(operator.getitem, (hop, 0))
         _replace(node, out)
         _erase_unused(repeated)

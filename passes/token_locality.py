@@ -24,8 +24,8 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import (Refusal, example, op_name, pass_uuid, regions_ops, source_line,
-                      token_local_ops)
+from ._common import (REWRITTEN, Refusal, example, op_name, pass_uuid, regions_ops,
+                      source_line, token_local_ops)
 from ._locality_indexing import IndexingRules
 
 __all__ = ["prove_token_locality", "uuid"]
@@ -44,7 +44,7 @@ _POINTWISE = {
 _METADATA_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
 _TRANSPOSE_ATTRS = {"T", "mT", "H", "mH"}
 # where a reduction's dims and keepdim sit among its positional arguments
-_REDUCE_ARGS = {"norm": (2, 3), "var": (1, 3), "std": (1, 3)}
+_REDUCE_DIM_ARG = {"norm": 2}  # the positional index of `dim` where it is not 1
 _REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod", "all",
            "any"}
 _SAME_SHAPE_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "_softmax"}
@@ -129,15 +129,16 @@ class _Proof(IndexingRules):
 
     def reduce(self, node, ax, inp):
         name = op_name(node)
-        dim_pos, keep_pos = _REDUCE_ARGS.get(name, (1, 2))
+        dim_pos = _REDUCE_DIM_ARG.get(name, 1)
         if name in ("var", "std") and len(node.args) > 1 and isinstance(node.args[1], bool):
             dims = None  # var(x, unbiased): over every dim
         else:
             dims = self.dim_arg(node, dim_pos, "dim", inp.dim())
         if not dims or ax in dims:  # None or [] reduce every dim
             self.refuse(node, "it reduces over the sequence axis")
-        keep = node.kwargs.get("keepdim",
-                               node.args[keep_pos] if len(node.args) > keep_pos else False)
+        out = example(node)  # keepdim, keepdims or positional: the result's rank says which
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        keep = isinstance(out, Tensor) and out.dim() == inp.dim()
         return ax if keep else ax - sum(d < ax for d in dims)
 
     def attribute(self, node, ax, inp, out):
@@ -247,6 +248,10 @@ class _Proof(IndexingRules):
         ax = self.tok(first)
         if _is_attention(node):
             return [2, 2]  # (out [1, H, T, D], logsumexp [1, H, T])
+        if name == "flex_attention":
+            self.refuse(node, "the model calls flex_attention itself, over the whole packed "
+                              "sequence with its own mask; only SDPA attention is rewritten to "
+                              "the shared-prefix layout")
         if name == "getattr":
             return self.attribute(node, ax, inp, out)
         if name in _SHAPE_QUERIES:
@@ -332,11 +337,13 @@ class _Proof(IndexingRules):
 
 
 def _is_attention(node: fx.Node) -> bool:
-    """The rewritten attention: the flex_attention HOP, or a region kernel's op (regions.py,
-    flash_regions.py)."""
+    """The rewritten attention: the flex_attention HOP that attention_rewrite inserted (marked
+    in its meta), or a region kernel's op (regions.py, flash_regions.py)."""
     if node.op != "call_function":
         return False
-    return getattr(node.target, "__name__", "") == "flex_attention" or node.target in regions_ops()
+    if getattr(node.target, "__name__", "") == "flex_attention":
+        return bool(node.meta.get(REWRITTEN))
+    return node.target in regions_ops()
 
 
 def prove_token_locality(graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout) -> int:

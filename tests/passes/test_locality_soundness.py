@@ -1,7 +1,7 @@
 """Token-mixing code the locality proof must refuse (each case once returned wrong logprobs
 without a refusal): tensor attributes that transpose, writes into buffers, a 1-D token operand
 contracted by matmul, reductions whose positional arguments are not (dim, keepdim), boolean
-masks over several dims, and an empty dim list."""
+masks over several dims, an empty dim list, and keepdims=True."""
 
 import pytest
 import torch
@@ -58,8 +58,13 @@ def _empty_dims(x):
     return x + x.sum(dim=[], keepdim=False)
 
 
+def _keepdims(x):  # torch's other spelling of keepdim; the axis count once missed it
+    b, t, d = x.shape
+    return x + x.unsqueeze(1).expand(b, t, t, d).sum(0, keepdims=True).sum(2)
+
+
 @pytest.mark.parametrize("mix", [_mT, _setitem, _matvec, _norm_positional, _std_positional,
-                                 _bool_mask, _empty_dims],
+                                 _bool_mask, _empty_dims, _keepdims],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_token_mixing_is_refused(mix):
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()

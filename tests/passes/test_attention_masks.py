@@ -1,0 +1,89 @@
+"""Attention the rewrite must not take for causal: a mask the model builds from positions is
+rewritten only if it is causal (a sliding window, an ALiBi bias or bidirectional attention each
+once became the causal shared-prefix mask without a word), and a flex_attention call of the
+model's own is refused (it once ran over the whole packed sequence)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dualkv_compile as dk
+from dualkv_compile.passes._common import Refusal
+from dualkv_compile.testing import (make_batch, row_by_row_response_logprobs,
+                                    same_dtype_numerics, tiny_model)
+
+
+def _mask(kind, input_pos, s, dtype):
+    """The [b, 1, s, s] mask of `kind` for queries and keys at input_pos [b, s]."""
+    if kind == "window_from_arange":  # from shapes only, no positions
+        input_pos = torch.arange(s)[None]
+    d = input_pos[:, :, None] - input_pos[:, None, :]  # query position - key position
+    if kind == "causal":
+        return (d >= 0)[:, None]
+    if kind == "causal_additive":
+        return torch.where(d >= 0, 0.0, float("-inf")).to(dtype)[:, None]
+    if kind in ("window", "window_from_arange"):
+        return ((d >= 0) & (d < 3))[:, None]
+    if kind == "alibi":
+        return torch.where(d >= 0, -0.5 * d.to(dtype), float("-inf"))[:, None]
+    assert kind == "bidirectional"
+    return torch.ones(s, s, dtype=torch.bool)
+
+
+class _OwnAttention(torch.nn.Module):
+    """A torchtune layer's projections and RoPE, with attention the model computes itself:
+    SDPA with a mask of `kind`, or (kind "flex") flex_attention with a causal BlockMask."""
+
+    def __init__(self, inner, kind):
+        super().__init__()
+        self.inner, self.kind = inner, kind
+        self.cache_enabled, self.kv_cache = False, None  # what torchtune's layer asks of it
+
+    def forward(self, x, y=None, *, mask=None, input_pos=None):
+        a, (b, s, _) = self.inner, x.shape
+        q = a.q_proj(x).view(b, s, a.num_heads, a.head_dim)
+        k = a.k_proj(x).view(b, s, a.num_kv_heads, a.head_dim)
+        v = a.v_proj(x).view(b, s, a.num_kv_heads, a.head_dim)
+        q, k = a.pos_embeddings(q, input_pos=input_pos), a.pos_embeddings(k, input_pos=input_pos)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.kind == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, s, s,
+                                           device="cpu")
+            out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        else:
+            pos = torch.arange(s)[None] if input_pos is None else input_pos
+            attn_mask = _mask(self.kind, pos, s, q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        return a.output_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def _run(kind, layers=(0, 1)):
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    for i in layers:
+        model.layers[i].attn = _OwnAttention(model.layers[i].attn, kind)
+    tokens, mask, p = make_batch([9, 5], [[6, 2, 4], [3, 3]], vocab=90,
+                                 generator=torch.Generator().manual_seed(0))
+    dk.counters.clear()
+    with torch.no_grad():
+        ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        return ours, row_by_row_response_logprobs(model, tokens, mask, p)
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal_additive"])
+def test_a_causal_mask_built_from_positions_is_rewritten(kind):
+    ours, plain = _run(kind)
+    assert dk.counters["attention_rewritten"] == 2
+    assert float((ours - plain).abs().max()) < 1e-10
+
+
+@pytest.mark.parametrize("kind", ["window", "window_from_arange", "alibi", "bidirectional"])
+def test_a_mask_that_is_not_causal_is_refused(kind):
+    with pytest.raises(Refusal, match="mask built from positions that is not causal"):
+        _run(kind)
+
+
+def test_the_models_own_flex_attention_is_refused():
+    with pytest.raises(Refusal, match="calls flex_attention itself"):
+        _run("flex", layers=(1,))  # layer 0 keeps torchtune's SDPA, which is rewritten
