@@ -302,6 +302,13 @@ def test_unsupported_models_are_named():
     model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'.*'eager'"):
         dk.optimize(model)
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                          "rope_theta": 10000.0})
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):  # was a Dynamo traceback
+        dk.optimize(model, dk.DualKVConfig(fallback="dense"))
 
 
 class _ArangePositions(torch.nn.Module):
