@@ -44,7 +44,15 @@ def _rename(name: str, to_ours: bool) -> str:
 
 
 def hf_to_ours(state: dict, *, tied: bool) -> dict:
+    """Our names for a transformers state dict. A tied model takes its LM head from the
+    embedding: an lm_head.weight that differs from it is an untied checkpoint, refused."""
     if tied:
+        head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise ValueError("the checkpoint's lm_head.weight differs from its "
+                             "model.embed_tokens.weight, but the model ties them "
+                             "(tie_word_embeddings=True): build it with "
+                             "tie_word_embeddings=False to keep the trained LM head")
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     return {_rename(k, True): v for k, v in state.items()}
 
@@ -70,6 +78,7 @@ def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
 
     path = Path(path)
     cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    _check_dense_qwen3(cfg, path)
     kw = dict(vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
               num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
               embed_dim=cfg["hidden_size"], intermediate_dim=cfg["intermediate_size"],
@@ -78,6 +87,24 @@ def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
               rope_base=_rope_theta(cfg), norm_eps=cfg.get("rms_norm_eps", 1e-6),
               tie_word_embeddings=cfg.get("tie_word_embeddings", False))
     return qwen3(**{**kw, **overrides})
+
+
+def _check_dense_qwen3(cfg: dict, path: Path) -> None:
+    """Refuse, by name, the config fields this builder cannot honour: another model type,
+    sliding-window layers, an activation other than SiLU."""
+    kind = cfg.get("model_type", "qwen3")
+    if kind != "qwen3":
+        hint = " (use models.qwen3_moe_from_hf_config)" if kind == "qwen3_moe" else ""
+        raise ValueError(f"{path}: model_type={kind!r}; this builder makes dense Qwen3 "
+                         f"(model_type 'qwen3'){hint}")
+    layer_types = set(cfg.get("layer_types") or []) - {"full_attention"}
+    if cfg.get("use_sliding_window") or layer_types:
+        raise ValueError(f"{path}: sliding-window attention (use_sliding_window="
+                         f"{cfg.get('use_sliding_window')}, layer_types {sorted(layer_types)}) "
+                         f"is not built by this Qwen3 builder, which has full causal attention")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{path}: hidden_act={act!r}; this Qwen3 builder's MLP uses SiLU")
 
 
 def _tied(model: nn.Module) -> bool:

@@ -51,10 +51,17 @@ def qwen3_moe_tiny(vocab_size: int = 151936, **kw):
 
 def qwen3_moe_from_hf_config(path: str, **overrides):
     """A Qwen3-MoE with the shape of a transformers config.json (file or directory), set up as
-    qwen3_moe sets it up; the weights come from the checkpointer (Qwen3HFCheckpointer)."""
+    qwen3_moe sets it up; the weights come from the checkpointer (Qwen3HFCheckpointer).
+    `overrides` are Qwen3MoeConfig fields (transformers' names: num_hidden_layers, ...); any
+    other name is refused."""
     import transformers as tf
 
-    cfg = tf.AutoConfig.from_pretrained(str(path), **overrides)
+    cfg, unused = tf.AutoConfig.from_pretrained(str(path), return_unused_kwargs=True,
+                                                **overrides)
+    if unused:
+        raise ValueError(f"qwen3_moe_from_hf_config: {sorted(unused)} are not fields of "
+                         f"{type(cfg).__name__}; overrides take transformers' names (e.g. "
+                         f"num_hidden_layers, num_experts_per_tok)")
     if cfg.model_type != "qwen3_moe":
         raise ValueError(f"{path} holds a {cfg.model_type!r} config, not 'qwen3_moe'")
     cfg.output_router_logits = False

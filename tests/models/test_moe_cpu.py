@@ -185,6 +185,18 @@ def test_the_recipe_trains_a_qwen3_moe_checkpoint_and_writes_one_transformers_re
         assert torch.equal(again.state_dict()[name], value), name
 
 
+def test_moe_config_overrides_take_transformers_names(tmp_path):
+    tf.Qwen3MoeConfig(vocab_size=12, hidden_size=32, moe_intermediate_size=16, num_experts=4,
+                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path)
+    from dualkv_compile import models
+
+    model = models.qwen3_moe_from_hf_config(tmp_path, num_hidden_layers=1)
+    assert len(model.model.layers) == 1
+    with pytest.raises(ValueError, match=r"\['experts_per_token', 'num_layers'\] are not fields"):
+        models.qwen3_moe_from_hf_config(tmp_path, num_layers=1, experts_per_token=1)
+
+
 def test_expert_load_weighted_by_token_rows_equals_the_replicated_batchs():
     # a forward hook on each router collects its expert choices over the packed sequence;
     # weighted by token_rows they count exactly the experts the plain model picks on the

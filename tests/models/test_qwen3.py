@@ -92,6 +92,29 @@ def test_missing_checkpoint_is_named(tmp_path):
         load_hf_checkpoint(qwen3_tiny(vocab_size=64), tmp_path)
 
 
+def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
+    hf_model(tied=False).save_pretrained(tmp_path, safe_serialization=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    tied = qwen3_from_hf_config(tmp_path, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="lm_head.weight differs .* tie_word_embeddings=False"):
+        load_hf_checkpoint(tied, tmp_path)  # it once dropped the trained head without a word
+    assert config["tie_word_embeddings"] is False
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"model_type": "qwen3_moe"}, "model_type='qwen3_moe'.*qwen3_moe_from_hf_config"),
+    ({"use_sliding_window": True, "sliding_window": 4}, "sliding-window attention"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window attention"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+])
+def test_config_fields_the_builder_cannot_honour_are_named(tmp_path, changes, message):
+    hf_model(tied=False).config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    with pytest.raises(ValueError, match=message):
+        qwen3_from_hf_config(tmp_path)
+
+
 def test_qwen3_through_optimize():
     torch.manual_seed(0)
     model = qwen3_tiny(vocab_size=64).double()
