@@ -62,6 +62,11 @@ def check_fsdp_layout(model: nn.Module, layers) -> None:
         state = layer._get_fsdp_state() if isinstance(layer, fsdp) else None
         hooks = [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]
         foreign = [h for h in hooks if getattr(h, "__self__", None) is not state or state is None]
+        if foreign and all(getattr(h, "__qualname__", "").startswith("FSDPState.")
+                           for h in foreign):
+            raise ValueError(f"layer {i} carries the hooks of an FSDP unit that is not its "
+                             f"own: the layers were sharded as one group (fully_shard of a "
+                             f"list); call fully_shard on each layer separately")
         if foreign:
             names = ", ".join(getattr(h, "__qualname__", repr(h)) for h in foreign)
             raise ValueError(f"layer {i} has forward hooks ({names}); the layer-region path "

@@ -73,3 +73,45 @@ def test_token_budget_micro_batches_match_one_micro_batch_on_two_ranks(cases):
     counts = case["micro_batches_per_rank"]
     assert counts[0] != counts[1], counts  # the shorter rank pads with weight-0 repeats
     assert case["sequence_err"] < TOL and case["token_err"] < TOL, case
+
+
+_LAYOUTS = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from dualkv_compile.fsdp import check_fsdp_layout
+from dualkv_compile.models import qwen3_tiny
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+def refusal(shard):
+    model = qwen3_tiny(vocab_size=97)
+    shard(model)
+    try:
+        check_fsdp_layout(model, model.layers)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+def each_layer(m):
+    for layer in m.layers:
+        fully_shard(layer)
+    fully_shard(m)
+def one_group(m):
+    fully_shard(list(m.layers)); fully_shard(m)
+def attention_only(m):
+    fully_shard(m.layers[0].attn); fully_shard(m)
+def hooked(m):
+    each_layer(m); m.layers[1].register_forward_hook(lambda *a: None)
+for shard in (each_layer, one_group, attention_only, hooked):
+    print(shard.__name__, "|", refusal(shard))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_layouts_the_layer_region_cannot_drive_are_named(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _LAYOUTS, str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = dict(line.split(" | ", 1) for line in proc.stdout.splitlines() if " | " in line)
+    assert said["each_layer"] == "accepted"
+    assert "sharded as one group" in said["one_group"]
+    assert "FSDP unit 'layers.0.attn'" in said["attention_only"]
+    assert "layer 1 has forward hooks (hooked.<locals>.<lambda>)" in said["hooked"]
