@@ -95,7 +95,12 @@ def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None
             f"rewritten to the shared-prefix layout"
         )
     if mask.meta.get("dualkv_causal") is None:  # once per mask node (layers share it)
-        mask.meta["dualkv_causal"] = _is_causal_mask(_evaluate_mask(mask, positions))
+        try:
+            value = _evaluate_mask(mask, positions)
+        except Exception as e:  # the model's own ops, replayed: any failure is a refusal
+            raise Refusal(f"attention at {source_line(node)}: its mask could not be computed "
+                          f"to check that it is causal ({type(e).__name__}: {e})") from e
+        mask.meta["dualkv_causal"] = _is_causal_mask(value)
     if not mask.meta["dualkv_causal"]:
         raise Refusal(
             f"attention at {source_line(node)} uses a mask built from positions that is not "

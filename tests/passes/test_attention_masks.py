@@ -87,3 +87,14 @@ def test_a_mask_that_is_not_causal_is_refused(kind):
 def test_the_models_own_flex_attention_is_refused():
     with pytest.raises(Refusal, match="calls flex_attention itself"):
         _run("flex", layers=(1,))  # layer 0 keeps torchtune's SDPA, which is rewritten
+
+
+def test_a_mask_that_cannot_be_computed_is_refused(monkeypatch):
+    from dualkv_compile.passes import attention_rewrite
+
+    def fails(mask, positions):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(attention_rewrite, "_evaluate_mask", fails)
+    with pytest.raises(Refusal, match="could not be computed .*RuntimeError: no such device"):
+        _run("causal")
