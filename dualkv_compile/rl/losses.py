@@ -19,13 +19,16 @@ __all__ = ["GRPOLoss", "group_advantages", "groups_with_signal", "overlong_penal
 
 def group_advantages(rewards: Tensor, *, eps: float = 1e-6, scale: bool = True) -> Tensor:
     """rewards [G, N] (N samples of each of G prompts) -> advantages [G, N]: reward minus its
-    group's mean, divided by the group's standard deviation (+eps) when `scale`."""
+    group's mean, divided by the group's population standard deviation (+eps) when `scale`
+    (TRL and veRL divide by the sample standard deviation, sqrt(N / (N - 1)) larger). A group
+    whose rewards are all equal gets exactly 0: its mean's rounding (rewards such as 1/3) would
+    otherwise be divided by eps."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, samples], got shape {tuple(rewards.shape)}")
     centred = rewards - rewards.mean(1, keepdim=True)
-    if not scale:
-        return centred
-    return centred / (rewards.std(1, keepdim=True, unbiased=False) + eps)
+    if scale:
+        centred = centred / (rewards.std(1, keepdim=True, unbiased=False) + eps)
+    return torch.where(groups_with_signal(rewards)[:, None], centred, torch.zeros_like(centred))
 
 
 def groups_with_signal(rewards: Tensor) -> Tensor:
@@ -126,7 +129,9 @@ class GRPOLoss:
     @torch.no_grad()
     def stats(self, logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor,
               mask: Tensor) -> dict[str, Tensor]:
-        """Token means of the KL estimate, the clipped fraction and the ratio."""
+        """Token means of the KL estimate, the clipped fraction (tokens whose ratio lies
+        outside [1 - epsilon_low, 1 + epsilon_high], whether or not the clipped term is the one
+        the loss takes for its advantage's sign) and the ratio."""
         m = mask.to(logprobs.dtype)
         n = m.sum().clamp_min(1)
         ratio, clipped, kl = self._ratio_kl(logprobs, old_logprobs, ref_logprobs)

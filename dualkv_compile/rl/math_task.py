@@ -1,13 +1,15 @@
 """Math word problems from a local JSONL file, rewarded by final-answer match.
 
 Each line: {"question": "...", "answer": "42"} (the answer may carry GSM8K's "#### 42" form).
-Reward 1 when the last number in the response equals the answer's number, else 0.
+Reward 1 when the last number in the response equals the answer's number (as values: "10.00"
+matches "10", "0.5" matches "1/2"), else 0.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -17,16 +19,22 @@ from .tasks import SeededTask
 
 __all__ = ["MathJSONLTask", "final_number"]
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# a number: optional sign (ASCII or Unicode minus); digits with thousands separators in groups
+# of three, plain digits, or a leading decimal point; an optional fraction bar
+_NUMBER = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
 
 def final_number(text: str) -> str | None:
-    """The last number in `text`, without thousands separators or a trailing '.0'."""
-    found = _NUMBER.findall(text.split("####")[-1])
-    if not found:
-        return None
-    value = found[-1].replace(",", "")
-    return value[:-2] if value.endswith(".0") else value
+    """The last number in `text` (after GSM8K's "####" if present), as its value written one
+    way: an integer ("1,200.0" -> "1200", "10.00" -> "10") or a reduced fraction ("0.75" and
+    "3/4" -> "3/4", "-.5" -> "-1/2"), so that equal values compare equal as strings."""
+    for token in reversed(_NUMBER.findall(text.split("####")[-1])):
+        try:
+            value = Fraction(token.replace("\u2212", "-").replace(",", ""))
+        except ZeroDivisionError:  # "3/0" is no number; take the one before it
+            continue
+        return str(value)
+    return None
 
 
 class MathJSONLTask(SeededTask):

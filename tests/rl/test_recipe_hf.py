@@ -103,6 +103,16 @@ def test_math_reward_and_padding(checkpoint):
     assert final_number("a 1,200.0 b") == "1200" and final_number("none") is None
 
 
+@pytest.mark.parametrize("text,value", [
+    ("The answer is .5", "1/2"), ("x = -.5", "-1/2"), ("Answer: \u22127", "-7"),
+    ("The point is (1,5)", "5"), ("3/4", "3/4"), ("0.75", "3/4"), ("It is 10.00", "10"),
+    ("1,234,567 apples", "1234567"), ("#### 42", "42"), ("so 12.", "12"), ("3/0 and 7", "7"),
+])
+def test_final_number_reads_values(text, value):
+    # each of the first five once read another number: 5, 5, 7, 15, 4
+    assert final_number(text) == value
+
+
 def test_a_generation_configs_eos_list_stops_responses(checkpoint):
     import json
 
