@@ -138,7 +138,7 @@ class RolloutEngine:
         compact = torch.nn.functional.pad(compact[:, :capacity], (0, capacity - min(
             capacity, compact.shape[1])), value=pad_id)
         key = (rows, groups if self.share_prompt else rows, capacity, t, dtype, sampling,
-               pad_id, stops, implementation, device)
+               pad_id, stops, implementation, device, vocab)
         with gathered_weights(self.model):
             ws = self._workspace_for(key, on_cuda, compiled)
             # graphs are captured before the cache is filled (a capture warms up on it first);
@@ -205,9 +205,12 @@ class RolloutEngine:
         prompts with their tokens first, in order, padded with pad_id ([G, P]), their lengths
         [G] and the longest."""
         if not (isinstance(prompts, Tensor) and prompts.dim() == 2 and prompts.shape[0] >= 1
-                and prompts.dtype in (torch.long, torch.int32)):
+                and prompts.shape[1] >= 1 and prompts.dtype in (torch.long, torch.int32)):
             raise ValueError(f"prompts {_describe(prompts)} must be [G, P] integer token ids, "
-                             "G >= 1")
+                             "G >= 1, P >= 1")
+        if rng is not None and not isinstance(rng, torch.Generator):
+            raise ValueError(f"rng={rng!r} must be a torch.Generator (e.g. "
+                             f"torch.Generator(device).manual_seed(seed)) or None")
         weights = next(self.model.parameters()).device
         if prompts.device != weights:  # caught here, not as a device error inside the prefill
             raise ValueError(f"prompts are on {prompts.device}, the model on {weights}; move the "
@@ -242,14 +245,17 @@ class RolloutEngine:
     # ---- buffers, compiles, graphs -----------------------------------------------------------
     def _workspace_for(self, key: tuple, on_cuda: bool, compiled: bool) -> _Workspace:
         ws = self._workspace
-        if ws is None or ws.key != key:
+        # a cache made under torch.inference_mode() cannot be written outside it: rebuild
+        stale = ws is not None and ws.cache.noise.is_inference() and \
+            not torch.is_inference_mode_enabled()
+        if ws is None or ws.key != key or stale:
             self._workspace = ws = None  # free the previous shape's buffers first
-            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device = key
+            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device, vocab = key
             dec = self.decoder
             cache = RolloutCache.allocate(
                 layers=len(dec.layers), groups=groups, rows=rows, prompt_capacity=capacity,
                 response_capacity=t, kv_heads=dec.num_kv_heads, head_dim=dec.head_dim,
-                vocab=dec.vocab_size, dtype=dtype, device=device,
+                vocab=vocab, dtype=dtype, device=device,
                 splits=1 if impl == "triton" else None)
             ws = _Workspace(key, cache, self._step_fn(key, compiled))
             ws.use_graphs = on_cuda and compiled and (self.cuda_graphs is not False)
@@ -265,7 +271,7 @@ class RolloutEngine:
 
     def _step_fn(self, key: tuple, compiled: bool):
         if key not in self._steps:
-            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device = key
+            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device, vocab = key
             self._steps[key] = make_decode_step(
                 self.decoder, sampling=sampling, pad_id=pad_id, stops=stop,
                 implementation=impl, device=device, compile_fn=self._compile if compiled else None)
@@ -301,6 +307,10 @@ class RolloutEngine:
                     ws.step_fn(*tensors)
             done += n
             self.stats["decode_steps"] += n
+        # the steps skipped after every row stopped still draw their noise, so that a call
+        # leaves the generator where the reference sampler (and any steps_per_graph) leaves it
+        for _ in range(steps - done):
+            draw_noise(ws.cache.noise, gen)
 
     def _capture(self, ws: _Workspace, steps: int) -> torch.Generator | None:
         """Capture the chunk lengths `steps` decode steps need (K and the remainder); the

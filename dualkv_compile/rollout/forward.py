@@ -77,7 +77,11 @@ class _TorchtuneDecoder:
             raise _refuse(model, f"its layers mix attention classes {sorted(k.__name__ for k in kinds)}")
         self.norm_first = kinds == {Qwen3Attention}
         self.max_seq_len = model.max_seq_len
-        self.vocab_size = model.tok_embeddings.num_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        """Read on each call: the model's embedding may be resized after the engine is built."""
+        return self.model.tok_embeddings.num_embeddings
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.model.tok_embeddings(tokens)
@@ -134,7 +138,11 @@ class _HFDecoder:
         self.qk_norm = hasattr(attn, "q_norm")
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.max_seq_len = cfg.max_position_embeddings
-        self.vocab_size = cfg.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        """The LM head's rows, read on each call (resize_token_embeddings may change them)."""
+        return self.model.lm_head.weight.shape[0]
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.base.embed_tokens(tokens)

@@ -272,3 +272,52 @@ def test_a_prompt_bucket_past_the_context_is_harmless():
     theirs = reference_generate(model, prompts, samples=2, max_generated_tokens=2, pad_id=PAD,
                                 rng=torch.Generator().manual_seed(1))
     assert prompt_bucket(98) > 100 and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("steps_per_graph", [1, 16])
+def test_a_call_leaves_the_generator_where_the_reference_does(steps_per_graph):
+    # every row stops at eos before the cap; the steps skipped after that once drew no noise,
+    # so the next call on the same generator sampled other tokens than the reference's next
+    # call, and than with another steps_per_graph
+    model = model_of("qwen3", vocab=6)  # eos is likely
+    prompts = ragged_prompts(groups=2, vocab=6)
+    kw = dict(samples=2, max_generated_tokens=40, pad_id=PAD, stop_token=EOS, temperature=3.0)
+    engine = RolloutEngine(model, steps_per_graph=steps_per_graph)
+    ours, theirs = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    for _ in range(2):
+        a = engine.generate(prompts, rng=ours, **kw)
+        b = reference_generate(model, prompts, rng=theirs, **kw)
+        assert torch.equal(a, b) and torch.equal(ours.get_state(), theirs.get_state())
+    assert engine.stats["decode_steps"] < 2 * 39  # decoding stopped early
+
+
+def test_a_call_under_inference_mode_leaves_the_engine_usable():
+    engine, prompts = RolloutEngine(model_of("hf_qwen3")), ragged_prompts()
+    kw = dict(samples=2, max_generated_tokens=4, pad_id=PAD)
+    with torch.inference_mode():
+        engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
+    again = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(again, reference_generate(model_of("hf_qwen3"), prompts,
+                                                 rng=torch.Generator().manual_seed(0), **kw))
+
+
+def test_a_resized_vocabulary_is_seen_by_the_next_call():
+    model = model_of("hf_qwen3")
+    engine, prompts = RolloutEngine(model), ragged_prompts()
+    kw = dict(samples=2, max_generated_tokens=4, pad_id=PAD)
+    engine.generate(prompts, **kw)
+    model.resize_token_embeddings(VOCAB + 27, mean_resizing=False)
+    out = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(out, reference_generate(model, prompts,
+                                               rng=torch.Generator().manual_seed(0), **kw))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rng=0), r"rng=0 must be a torch.Generator"),
+    (dict(width=0), r"prompts \(3, 0\) .* P >= 1"),
+])
+def test_a_seed_for_rng_and_empty_prompts_are_named(kw, match):
+    prompts = ragged_prompts()[:, :kw.pop("width", None)]
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(model_of("qwen3")).generate(prompts, samples=2, max_generated_tokens=4,
+                                                  pad_id=PAD, **kw)
