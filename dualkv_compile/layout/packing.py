@@ -35,7 +35,7 @@ class PackedBatch:
     tokens given to :func:`pack`; copies for other devices are made on first use and cached.
     """
 
-    tokens: Tensor  # [1, T] int64, padding positions hold 0
+    tokens: Tensor  # [1, T] int64 or int32 as given, padding positions hold 0
     positions: Tensor  # [1, T] int64: prompt 0..p-1, each response p.., padding 0
     segment_ids: Tensor  # [1, T] int32: one id per prompt, per response, and for the padding
     prefix_segment_ids: Tensor  # [1, T] int32: the prompt segment a token may also see (else own)
