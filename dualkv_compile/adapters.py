@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .hf_config import SEQUENCE_DEPENDENT_ROPE, rope_types, sliding_window
+
 __all__ = ["HF_FAMILIES", "adapter_for"]
 
 
@@ -129,21 +131,6 @@ def _check_moe(model, cfg) -> None:
                          "you need it)")
 
 
-# RoPE variants whose frequencies depend on the sequence length (transformers'
-# modeling_rope_utils): dynamic NTK scaling and LongRoPE's short/long factor switch
-_SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def _rope_type(cfg) -> str | None:
-    """rope_type of a transformers config: `rope_parameters` (5.x; per layer type possibly) or
-    `rope_scaling` (4.x, "rope_type" or "type")."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):  # {layer type: params}
-        kinds = {v.get("rope_type", v.get("type")) for v in params.values()}
-        return next((k for k in kinds if k in _SEQUENCE_DEPENDENT_ROPE), kinds.pop())
-    return params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
-
-
 class _HuggingFace:
     """transformers causal LMs that call SDPA (attn_implementation="sdpa")."""
 
@@ -168,19 +155,16 @@ class _HuggingFace:
         if impl != "sdpa":
             raise ValueError(f"optimize() needs attn_implementation='sdpa', the model uses "
                              f"{impl!r}; load it with attn_implementation='sdpa'")
-        kinds = set(getattr(cfg, "layer_types", None) or [])
-        window = getattr(cfg, "sliding_window", None)
-        uses_window = getattr(cfg, "use_sliding_window", window is not None)
-        if kinds - {"full_attention"} or (window and uses_window):
+        window = sliding_window(cfg)
+        if window:
             raise ValueError(f"optimize() supports full causal attention only; this model uses "
-                             f"sliding windows (layer_types={sorted(kinds)}, "
-                             f"sliding_window={window})")
-        rope = _rope_type(cfg)
-        if rope in _SEQUENCE_DEPENDENT_ROPE:
+                             f"sliding windows ({window})")
+        rescaled = rope_types(cfg) & set(SEQUENCE_DEPENDENT_ROPE)
+        if rescaled:
             raise ValueError(f"optimize() needs position embeddings that depend on positions "
-                             f"only; this model's rope_type={rope!r} rescales them with the "
-                             f"sequence length, which differs between the packed sequence and "
-                             f"each row")
+                             f"only; this model's rope_type={rescaled.pop()!r} rescales them "
+                             f"with the sequence length, which differs between the packed "
+                             f"sequence and each row")
         for key in ("logit_scale", "logits_scaling", "final_logit_softcapping"):
             value = getattr(cfg, key, None)
             if value not in (None, 1, 1.0):

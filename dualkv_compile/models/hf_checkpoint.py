@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..hf_config import rope_types, sliding_window
+
 __all__ = ["hf_to_ours", "ours_to_hf", "load_hf_checkpoint", "save_hf_checkpoint",
            "qwen3_from_hf_config", "read_hf_state", "write_hf_state"]
 
@@ -65,8 +67,9 @@ def _rope_theta(cfg: dict) -> float:
     """transformers 5 keeps it in rope_parameters, 4.x at the top level; only the default
     (unscaled) rope type is supported."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
+    kinds = rope_types(cfg)
+    if kinds != {"default"}:
+        kind = sorted(kinds - {"default"})[0]
         raise ValueError(f"rope_type={kind!r} is not supported by this Qwen3 builder (only "
                          f"'default')")
     return float(params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
@@ -97,11 +100,10 @@ def _check_dense_qwen3(cfg: dict, path: Path) -> None:
         hint = " (use models.qwen3_moe_from_hf_config)" if kind == "qwen3_moe" else ""
         raise ValueError(f"{path}: model_type={kind!r}; this builder makes dense Qwen3 "
                          f"(model_type 'qwen3'){hint}")
-    layer_types = set(cfg.get("layer_types") or []) - {"full_attention"}
-    if cfg.get("use_sliding_window") or layer_types:
-        raise ValueError(f"{path}: sliding-window attention (use_sliding_window="
-                         f"{cfg.get('use_sliding_window')}, layer_types {sorted(layer_types)}) "
-                         f"is not built by this Qwen3 builder, which has full causal attention")
+    window = sliding_window(cfg)
+    if window:
+        raise ValueError(f"{path}: sliding-window attention ({window}) is not built by this "
+                         f"Qwen3 builder, which has full causal attention")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{path}: hidden_act={act!r}; this Qwen3 builder's MLP uses SiLU")

@@ -17,6 +17,8 @@ import sys
 
 from torch import Tensor, nn
 
+from ..hf_config import sliding_window
+
 __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
 
 SUPPORTED_FAMILIES = ("torchtune TransformerDecoder (MultiHeadAttention or dualkv_compile's "
@@ -123,11 +125,9 @@ class _HFDecoder:
             raise _refuse(model, f"model_type={kind!r} is not one of {list(_HF_TYPES)}")
         if getattr(model, "lm_head", None) is None:
             raise _refuse(model, "it has no LM head (load the *ForCausalLM class)")
-        kinds = set(getattr(cfg, "layer_types", None) or [])
-        window = getattr(cfg, "sliding_window", None)
-        if kinds - {"full_attention"} or (window and getattr(cfg, "use_sliding_window", True)):
-            raise _refuse(model, f"it uses sliding-window attention (layer_types={sorted(kinds)}, "
-                                 f"sliding_window={window})")
+        window = sliding_window(cfg)
+        if window:
+            raise _refuse(model, f"it uses sliding-window attention ({window})")
         self.model, self.base = model, model.model
         self.layers = [_unwrap(layer) for layer in self.base.layers]
         attn = self.layers[0].self_attn

@@ -1,0 +1,37 @@
+"""Reading a transformers config, as an object (model.config) or as config.json's dict: the
+fields that decide whether a model's attention is full causal attention with RoPE that depends
+on positions only. One reading for optimize(), the rollout engine and the Qwen3 builder."""
+
+from __future__ import annotations
+
+__all__ = ["SEQUENCE_DEPENDENT_ROPE", "rope_types", "sliding_window"]
+
+# RoPE variants whose frequencies depend on the sequence length (transformers'
+# modeling_rope_utils): dynamic NTK scaling and LongRoPE's short/long factor switch
+SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _field(cfg, key: str, default=None):
+    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+
+def rope_types(cfg) -> set[str]:
+    """The rope types of `rope_parameters` (transformers 5; one entry per layer type in some
+    models) or `rope_scaling` (4.x, "rope_type" or "type"); {"default"} when unscaled."""
+    params = _field(cfg, "rope_parameters") or _field(cfg, "rope_scaling") or {}
+    if not isinstance(params, dict):
+        return {"default"}
+    per_type = params.values() if params and all(isinstance(v, dict) for v in params.values()) \
+        else [params]
+    return {p.get("rope_type", p.get("type", "default")) for p in per_type}
+
+
+def sliding_window(cfg) -> str | None:
+    """How the config's attention uses sliding windows ("layer_types=[...], sliding_window=N"),
+    or None where every layer has full causal attention."""
+    kinds = sorted(set(_field(cfg, "layer_types") or []))
+    window = _field(cfg, "sliding_window")
+    uses = _field(cfg, "use_sliding_window", window is not None)
+    if set(kinds) - {"full_attention"} or (window and uses):
+        return f"layer_types={kinds}, sliding_window={window}"
+    return None
