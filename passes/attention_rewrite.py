@@ -13,6 +13,7 @@ The model's own mask computation becomes dead and is removed.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 
@@ -25,11 +26,17 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dualkv_compile.attention.kernel_options import kernel_options_for
 from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR
-from dualkv_compile.stats import counters
+from dualkv_compile.stats import counters, log_once
 
 from ._common import REWRITTEN, Refusal, example, op_name, pass_uuid, source_line
 
-__all__ = ["rewrite_attention", "find_anchor", "uuid"]
+__all__ = ["MASK_CHECK_MAX_LEN", "rewrite_attention", "find_anchor", "uuid"]
+
+log = logging.getLogger(__name__)
+
+# the longest packed length at which a model-built mask is computed to check it is causal: a
+# [T, T] mask of 32768^2 bools is 1 GiB (at 262,144 tokens it would be 64 GiB)
+MASK_CHECK_MAX_LEN = 32768
 
 _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
@@ -94,6 +101,14 @@ def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None
             f"{[a.name for a in bad]}, not from positions alone; only causal attention can be "
             f"rewritten to the shared-prefix layout"
         )
+    t = example(positions).shape[-1]
+    if t > MASK_CHECK_MAX_LEN:
+        log_once(log, logging.WARNING,
+                 f"attention at {source_line(node)}: its mask built from positions is not "
+                 f"checked for causality at T={t} (computing the [T, T] mask would take "
+                 f"{t * t / 2 ** 30:.1f}G elements; masks are checked up to "
+                 f"T={MASK_CHECK_MAX_LEN})")
+        return
     if mask.meta.get("dualkv_causal") is None:  # once per mask node (layers share it)
         try:
             value = _evaluate_mask(mask, positions)

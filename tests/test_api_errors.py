@@ -65,11 +65,13 @@ def test_response_loss_refuses_a_closure_built_for_other_rows(setup):
     wide = GRPOLoss().token_loss(full(old), full(ref), adv, mask)
     with pytest.raises(ValueError, match=r"\(6, 20\), but these tokens have \(6, 11\)"):
         wrapper.response_loss(tokens, prompt_len=p, padding_mask=mask, token_loss=wide)
-    # the micro-batch's own closure runs, and gives the whole batch's per-row terms
+    # the micro-batch's own closure runs, and gives the loss of those rows' logprobs
     loss, _ = wrapper.response_loss(tokens[rows], prompt_len=p, padding_mask=mask[rows],
                                     token_loss=GRPOLoss().token_loss(old[rows], ref[rows],
                                                                      adv[rows], resp[rows]))
-    assert torch.isfinite(loss)
+    logprobs = wrapper.response_logprobs(tokens[rows], prompt_len=p, padding_mask=mask[rows])
+    expect, _ = GRPOLoss()(logprobs, old[rows], ref[rows], adv[rows], resp[rows])
+    assert torch.allclose(loss, expect, rtol=1e-10, atol=1e-12)
 
 
 # ---- tokens: dtype, container, device --------------------------------------------------------

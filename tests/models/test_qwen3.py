@@ -94,11 +94,9 @@ def test_missing_checkpoint_is_named(tmp_path):
 
 def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
     hf_model(tied=False).save_pretrained(tmp_path, safe_serialization=True)
-    config = json.loads((tmp_path / "config.json").read_text())
     tied = qwen3_from_hf_config(tmp_path, tie_word_embeddings=True)
     with pytest.raises(ValueError, match="lm_head.weight differs .* tie_word_embeddings=False"):
         load_hf_checkpoint(tied, tmp_path)  # it once dropped the trained head without a word
-    assert config["tie_word_embeddings"] is False
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -98,3 +98,14 @@ def test_a_mask_that_cannot_be_computed_is_refused(monkeypatch):
     monkeypatch.setattr(attention_rewrite, "_evaluate_mask", fails)
     with pytest.raises(Refusal, match="could not be computed .*RuntimeError: no such device"):
         _run("causal")
+
+
+def test_past_the_check_length_an_unchecked_mask_is_logged(monkeypatch, caplog):
+    from dualkv_compile import stats
+    from dualkv_compile.passes import attention_rewrite
+
+    monkeypatch.setattr(attention_rewrite, "MASK_CHECK_MAX_LEN", 64)  # the batch packs to 128
+    monkeypatch.setattr(stats, "_logged", set())
+    with caplog.at_level("WARNING"):
+        _run("causal")
+    assert "is not checked for causality at T=128" in caplog.text
