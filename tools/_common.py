@@ -15,10 +15,10 @@ import torch
 from .models import CliError
 
 __all__ = ["add_out_argument", "add_shapes_argument", "check_out_path", "environment",
-           "interleaved_medians", "write_results"]
+           "interleaved_medians", "parse_shape", "write_results"]
 
 
-def _parse_shape(text: str) -> tuple[int, int, int]:
+def parse_shape(text: str) -> tuple[int, int, int]:
     try:
         n, p, r = (int(x) for x in text.split(","))
     except ValueError:
@@ -70,8 +70,8 @@ def add_out_argument(ap: argparse.ArgumentParser, suffixes=(".json", ".md")) -> 
 
 
 def add_shapes_argument(ap: argparse.ArgumentParser, defaults: list[str]) -> None:
-    ap.add_argument("--shapes", type=_parse_shape, nargs="+", metavar="N,P,R",
-                    default=[_parse_shape(s) for s in defaults],
+    ap.add_argument("--shapes", type=parse_shape, nargs="+", metavar="N,P,R",
+                    default=[parse_shape(s) for s in defaults],
                     help=f"groups of N responses of R tokens on a P-token prompt "
                          f"(default: {' '.join(defaults)})")
 

@@ -7,6 +7,7 @@
     python -m dualkv_compile.tools.bench mask-forms [...]  # two equal mask_mods, one block mask
     python -m dualkv_compile.tools.bench linears [--tokens T ...] # projection GEMMs, fused or not
     python -m dualkv_compile.tools.bench rollout [--layers L ...]  # sampling: engine vs generate
+    python -m dualkv_compile.tools.bench rollout-calls [...]  # calls whose prompt lengths vary
     python -m dualkv_compile.tools.bench ragged  [--seeds S ...]   # attention on ragged batches
     python -m dualkv_compile.tools.bench ab --other-dir DIR [...]  # this tree vs another commit
 
@@ -31,6 +32,7 @@ SUITE = {
     "mask-forms": ("dualkv_compile.tools.bench_mask_forms", []),
     "linears": ("dualkv_compile.tools.bench_linears", []),
     "rollout": ("dualkv_compile.tools.bench_rollout", []),
+    "rollout-calls": ("dualkv_compile.tools.bench_rollout_calls", []),
     "ragged": ("dualkv_compile.tools.bench_ragged", []),
     "ab": ("dualkv_compile.tools.bench_ab", []),
 }

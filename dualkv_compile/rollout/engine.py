@@ -15,6 +15,9 @@ host sync). A row's tokens after its stop token are pad_id.
 
 Compiles: one per (rows, groups, prompt capacity bucket, T, dtype, sampling settings); graphs
 are captured per chunk length and generator, and again when the weights move to new storage.
+The engine holds one workspace (cache, compiled step, graphs). A call of the same shape whose
+prompts fit the held prompt capacity with at most 2x padding reuses it: the capacity only
+grows, so the calls of a ragged batch, whose prompt buckets vary, do not rebuild it each time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,9 +63,24 @@ def prompt_mask_of(prompts: Tensor, pad_id: int) -> Tensor:
     return (cols >= first) & (cols <= last) & real.any(1, keepdim=True)
 
 
+class _Key(NamedTuple):
+    """What a workspace's buffers and compiled step are made for."""
+    rows: int
+    groups: int  # prompt K/V stored: groups, or rows when the prompt is replicated
+    capacity: int  # prompt keys a group holds (a prompt_bucket)
+    t: int
+    dtype: torch.dtype
+    sampling: SamplingParams
+    pad_id: int
+    stops: tuple
+    implementation: str
+    device: torch.device
+    vocab: int
+
+
 @dataclass(eq=False)
 class _Workspace:
-    key: tuple
+    key: _Key
     cache: RolloutCache
     step_fn: object
     graphs: dict = field(default_factory=dict)  # steps -> StepGraph
@@ -95,8 +114,10 @@ class RolloutEngine:
         self.attention, self.compile, self.cuda_graphs = attention, compile, cuda_graphs
         self.steps_per_graph = steps_per_graph
         self.share_prompt = share_prompt
-        self.stats = Counter()  # calls, decode_steps, compiled_functions, captures, graph_fallbacks
-        self._steps: dict[tuple, object] = {}  # compiled decode steps, per key
+        # calls, decode_steps, workspaces (caches allocated), compiled_functions, captures,
+        # graph_fallbacks
+        self.stats = Counter()
+        self._steps: dict[_Key, object] = {}  # compiled decode steps, per key
         self._workspace: _Workspace | None = None  # the last shape's buffers (one held)
         self._graph_gen: torch.Generator | None = None  # what captured graphs draw from
 
@@ -134,11 +155,12 @@ class RolloutEngine:
                              "returns no log-sum-exp); use attention='math' or compile=False")
         groups, t = prompts.shape[0], max_generated_tokens
         rows = groups * samples
-        capacity = prompt_bucket(pmax)
-        compact = torch.nn.functional.pad(compact[:, :capacity], (0, capacity - min(
-            capacity, compact.shape[1])), value=pad_id)
-        key = (rows, groups if self.share_prompt else rows, capacity, t, dtype, sampling,
-               pad_id, stops, implementation, device, vocab)
+        bucket = prompt_bucket(pmax)  # the prefill's width; the cache may hold more
+        compact = torch.nn.functional.pad(compact[:, :bucket], (0, bucket - min(
+            bucket, compact.shape[1])), value=pad_id)
+        key = self._held_capacity(_Key(rows, groups if self.share_prompt else rows, bucket, t,
+                                       dtype, sampling, pad_id, stops, implementation, device,
+                                       vocab))
         with gathered_weights(self.model):
             ws = self._workspace_for(key, on_cuda, compiled)
             # graphs are captured before the cache is filled (a capture warms up on it first);
@@ -243,20 +265,31 @@ class RolloutEngine:
         return torch.where(valid, prompts.long(), pad_id).gather(1, order), plen, pmax
 
     # ---- buffers, compiles, graphs -----------------------------------------------------------
-    def _workspace_for(self, key: tuple, on_cuda: bool, compiled: bool) -> _Workspace:
+    def _held_capacity(self, key: _Key) -> _Key:
+        """`key` with the held workspace's prompt capacity where it is the same call shape and
+        that capacity holds the prompts with at most 2x padding (more would cost the flex and
+        math decode attention, which read the whole capacity, more than a rebuild)."""
+        ws = self._workspace
+        if ws is not None and ws.key._replace(capacity=key.capacity) == key and \
+                key.capacity <= ws.key.capacity <= 2 * key.capacity:
+            return ws.key
+        return key
+
+    def _workspace_for(self, key: _Key, on_cuda: bool, compiled: bool) -> _Workspace:
         ws = self._workspace
         # a cache made under torch.inference_mode() cannot be written outside it: rebuild
         stale = ws is not None and ws.cache.noise.is_inference() and \
             not torch.is_inference_mode_enabled()
         if ws is None or ws.key != key or stale:
             self._workspace = ws = None  # free the previous shape's buffers first
-            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device, vocab = key
             dec = self.decoder
             cache = RolloutCache.allocate(
-                layers=len(dec.layers), groups=groups, rows=rows, prompt_capacity=capacity,
-                response_capacity=t, kv_heads=dec.num_kv_heads, head_dim=dec.head_dim,
-                vocab=vocab, dtype=dtype, device=device,
-                splits=1 if impl == "triton" else None)
+                layers=len(dec.layers), groups=key.groups, rows=key.rows,
+                prompt_capacity=key.capacity, response_capacity=key.t,
+                kv_heads=dec.num_kv_heads, head_dim=dec.head_dim, vocab=key.vocab,
+                dtype=key.dtype, device=key.device,
+                splits=1 if key.implementation == "triton" else None)
+            self.stats["workspaces"] += 1
             ws = _Workspace(key, cache, self._step_fn(key, compiled))
             ws.use_graphs = on_cuda and compiled and (self.cuda_graphs is not False)
             if ws.use_graphs:
@@ -269,12 +302,12 @@ class RolloutEngine:
                 ws.fingerprint = fingerprint
         return ws
 
-    def _step_fn(self, key: tuple, compiled: bool):
+    def _step_fn(self, key: _Key, compiled: bool):
         if key not in self._steps:
-            rows, groups, capacity, t, dtype, sampling, pad_id, stop, impl, device, vocab = key
             self._steps[key] = make_decode_step(
-                self.decoder, sampling=sampling, pad_id=pad_id, stops=stop,
-                implementation=impl, device=device, compile_fn=self._compile if compiled else None)
+                self.decoder, sampling=key.sampling, pad_id=key.pad_id, stops=key.stops,
+                implementation=key.implementation, device=key.device,
+                compile_fn=self._compile if compiled else None)
         return self._steps[key]
 
     def _compile(self, fn):

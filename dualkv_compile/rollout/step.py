@@ -24,10 +24,10 @@ __all__ = ["make_decode_step", "prefill"]
 
 def prefill(dec, prompts: Tensor, prompt_len: Tensor, prompt_k: list[Tensor],
             prompt_v: list[Tensor], copies: int) -> Tensor:
-    """Run the G prompts [G, P] (valid tokens first, prompt_len [G] of them; P the cache's
-    prompt capacity), write their K/V into prompt_k/v[l] ([G * copies, S, Hkv, P / S, D]; each
-    group's `copies` times in a row: 1 shares the prompt, N replicates it per sample row),
-    return the last prompt token's logits [G, vocab]."""
+    """Run the G prompts [G, P] (valid tokens first, prompt_len [G] of them; P at most the
+    cache's prompt capacity S x C), write their K/V into prompt_k/v[l] ([G * copies, S, Hkv, C,
+    D], zeros past P; each group's `copies` times in a row: 1 shares the prompt, N replicates
+    it per sample row), return the last prompt token's logits [G, vocab]."""
     g, p = prompts.shape
     x = dec.embed(prompts)
     # the padding after a prompt may reach past the model's context (the capacity is bucketed):
@@ -48,10 +48,11 @@ def prefill(dec, prompts: Tensor, prompt_len: Tensor, prompt_k: list[Tensor],
 
 
 def _store_split(cache: Tensor, kv: Tensor, copies: int) -> None:
-    """kv [G, Hkv, P, D] into cache [G * copies, S, Hkv, P / S, D]."""
+    """kv [G, Hkv, P, D] into cache [G * copies, S, Hkv, C, D], P <= S x C, zeros after it."""
     g, hkv, p, d = kv.shape
-    splits = cache.shape[1]
-    split = kv.view(g, hkv, splits, p // splits, d).transpose(1, 2)
+    splits, chunk = cache.shape[1], cache.shape[3]
+    kv = F.pad(kv, (0, 0, 0, splits * chunk - p))
+    split = kv.view(g, hkv, splits, chunk, d).transpose(1, 2)
     cache.copy_(split.repeat_interleave(copies, 0) if copies > 1 else split)
 
 

@@ -2,6 +2,8 @@
 
 - A graph replay samples exactly what the same compiled step launched eagerly samples, also
   with several stop tokens.
+- Shorter prompts replay the graphs of the held, larger workspace, sampling what eager steps
+  sample.
 - An in-place weight update (an optimizer step) is seen by the next rollout without a capture.
 - The Triton kernels' and flex's decode attention in bf16 are within the math path's own bf16
   error of float64; in fp32 (the kernels' IEEE dots) the kernels give float64's answer to fp32
@@ -58,6 +60,21 @@ def test_graph_replay_equals_the_eagerly_launched_step(attention):
     compiled, captures = graphs.stats["compiled_functions"], graphs.stats["captures"]
     assert torch.equal(run(graphs, p), a)
     assert (graphs.stats["compiled_functions"], graphs.stats["captures"]) == (compiled, captures)
+
+
+@pytest.mark.parametrize("attention", ["auto", "flex"])
+def test_shorter_prompts_replay_the_held_graphs(attention):
+    # prompts of bucket 224 in the workspace made for bucket 320: no new cache or capture, and
+    # the replays sample what the same step launched eagerly samples
+    m, long, short = model(seed=5), prompts(), prompts(width=200, seed=6)
+    graphs = RolloutEngine(m, steps_per_graph=8, attention=attention)
+    eager = RolloutEngine(m, cuda_graphs=False, attention=attention)
+    run(graphs, long), run(eager, long)
+    captures = graphs.stats["captures"]
+    a, b = run(graphs, short), run(eager, short)
+    assert (graphs.stats["captures"], graphs.stats["workspaces"]) == (captures, 1)
+    assert eager.stats["workspaces"] == 1 and graphs.stats["graph_fallbacks"] == 0
+    assert torch.equal(a, b)
 
 
 def test_several_stop_tokens_in_a_captured_step():

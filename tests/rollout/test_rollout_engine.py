@@ -321,3 +321,24 @@ def test_a_seed_for_rng_and_empty_prompts_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         RolloutEngine(model_of("qwen3")).generate(prompts, samples=2, max_generated_tokens=4,
                                                   pad_id=PAD, **kw)
+
+
+def test_shorter_prompts_reuse_the_held_workspace():
+    # the calls of a ragged batch vary their prompt bucket; a call whose prompts fit the held
+    # capacity with at most 2x padding reuses its cache, compiled step and graphs, and samples
+    # what the reference samples; a shorter one, or a longer one, makes a new workspace
+    model = model_of("qwen3", seed=4)
+    engine = RolloutEngine(model)
+    kw = dict(samples=2, max_generated_tokens=5, pad_id=PAD, stop_token=EOS)
+    long, short = ragged_prompts(groups=2, width=40), ragged_prompts(groups=2, width=28, seed=2)
+    shortest = ragged_prompts(groups=2, width=12, seed=3)
+    assert (prompt_bucket(40), prompt_bucket(28), prompt_bucket(12)) == (48, 32, 16)
+    for prompts, workspaces, capacity in [(long, 1, 48), (short, 1, 48), (shortest, 2, 16),
+                                          (long, 3, 48)]:
+        ours = engine.generate(prompts, rng=torch.Generator().manual_seed(5), **kw)
+        theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(5), **kw)
+        cache = engine._workspace.cache
+        assert torch.equal(ours, theirs)
+        assert engine.stats["workspaces"] == workspaces
+        assert cache.prompt_k[0].shape[1] * cache.prompt_k[0].shape[3] == capacity
+    assert cache.prompt_k[0].shape[1] > 1  # the split layout padded past the prefill's width

@@ -2,6 +2,7 @@
 work (positions past a model's maximum, malformed config.json, --out paths, image sizes, a
 benchmark without a GPU, malformed --caps)."""
 
+import importlib
 import json
 import os
 
@@ -120,14 +121,21 @@ def test_benchmarks_refuse_to_run_without_a_gpu(capsys):
         bench_ragged.main([])
 
 
-def test_rollout_benchmark_refuses_to_run_without_a_gpu(monkeypatch, capsys):
-    from dualkv_compile.tools import bench_rollout
-
+@pytest.mark.parametrize("module", ["bench_rollout", "bench_rollout_calls"])
+def test_rollout_benchmarks_refuse_to_run_without_a_gpu(module, monkeypatch, capsys):
+    bench = importlib.import_module(f"dualkv_compile.tools.{module}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
-        bench_rollout.main([])
+        bench.main([])
     assert exit_info.value.code == 2
     assert "this benchmark needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_rollout_calls_prompt_lengths_must_fit_the_width(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "rollout-calls", "--shape", "4,100,8", "--prompt-lens", "50", "101"])
+    assert exit_info.value.code == 2
+    assert "--prompt-lens [50, 101] must lie in [1, P=100]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("caps", ["4096", "2048,x", "0,512", "1,2,3"])
@@ -145,8 +153,8 @@ def test_ragged_caps_are_checked_by_argparse_which_names_the_benchmark(caps, cap
     assert "usage: python -m dualkv_compile.tools.bench ragged" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bench_name", ["ragged", "attention", "step", "rollout", "lm-head",
-                                        "mask-forms", "linears", "ab"])
+@pytest.mark.parametrize("bench_name", ["ragged", "attention", "step", "rollout", "rollout-calls",
+                                        "lm-head", "mask-forms", "linears", "ab"])
 def test_a_benchmarks_out_is_checked_before_the_work(bench_name, tmp_path, capsys):
     """Before any model is built or anything timed: a missing directory, or OUT.json that is a
     directory, ends the benchmark with argparse's usage and exit 2."""
