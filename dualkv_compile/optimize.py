@@ -220,7 +220,7 @@ class DualKVModel(nn.Module):
             raise ValueError(f"tokens are on {tokens.device} but the model is on {param.device}")
         vocab = self._adapter.vocab_size(self.model)
         if tokens.numel():
-            lo, hi = int(tokens.min()), int(tokens.max())
+            lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"tokens hold id {lo if lo < 0 else hi}, outside the model's "
                                  f"vocabulary [0, {vocab})")

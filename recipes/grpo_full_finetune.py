@@ -268,9 +268,11 @@ class GRPORecipe:
                                                 temperature=temp)
             ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
                                                    temperature=temp)
-        # row selections: whole groups (micro_batch_groups) or a packed-token budget
+        # row selections: whole groups (micro_batch_groups) or a packed-token budget; rows are
+        # group-major by construction (rollout()), so tokens are not passed for the check, a
+        # host sync a step
         batches = dk.micro_batch_rows(mask, prompt_len=p, group_size=cfg.group_size,
-                                      groups=cfg.micro_batch_groups, tokens=tokens,
+                                      groups=cfg.micro_batch_groups,
                                       max_tokens=cfg.get("max_tokens_per_micro_batch"))
         # normalisers over all ranks; FSDP averages gradients over ranks, so scale back by the
         # world size to get the gradient of the global loss

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..arguments import as_index
+from ..arguments import integer_arg
 
 __all__ = ["PackedBatch", "bucket_length", "pack"]
 
@@ -199,17 +199,6 @@ def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: in
     return rank[inverse]
 
 
-def _as_int(name: str, value) -> int:
-    """An int (numpy's too), or a 0-d integer tensor taken as one; anything else (bool, float)
-    is refused by name."""
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
-        return int(value)
-    index = None if isinstance(value, Tensor) else as_index(value)
-    if index is None:
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return index
-
-
 def as_padding_mask(mask: Tensor) -> Tensor:
     """A [B, L] padding mask as bool (True = real token): bool as is, integers of 0 and 1 (the
     transformers convention) converted; other values or dtypes refused."""
@@ -294,7 +283,7 @@ def checked_tokens(tokens) -> Tensor:
 
 def checked_prompt_len(prompt_len, length: int) -> int:
     """`prompt_len` as an int in [1, length] (the batch's L), else ValueError naming it."""
-    prompt_len = _as_int("prompt_len", prompt_len)
+    prompt_len = integer_arg("prompt_len", prompt_len)
     if not 1 <= prompt_len <= length:
         raise ValueError(f"prompt_len={prompt_len} is outside [1, L={length}]")
     return prompt_len

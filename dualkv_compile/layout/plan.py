@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..arguments import integer_arg
 from ..stats import counters, log_once
-from .packing import _as_int, _contiguous_runs, as_padding_mask, checked_prompt_len, \
+from .packing import _contiguous_runs, as_padding_mask, checked_prompt_len, \
     checked_tokens, prompt_keys
 
 __all__ = ["MicroBatchPlan", "micro_batch_rows", "plan_micro_batches"]
@@ -71,14 +72,6 @@ def _parts(group: int, prompt: int, responses: list[int], budget: int, size: int
     return parts
 
 
-def _positive_int(name: str, value) -> int:
-    """An int >= 1 (or a one-element integer tensor holding one), refused by name otherwise."""
-    value = _as_int(name, value)
-    if value < 1:
-        raise ValueError(f"{name}={value} must be a positive int")
-    return value
-
-
 def _checked_batch(padding_mask, prompt_len, group_size) -> tuple[Tensor, int, int]:
     """The arguments every planner takes, checked as `pack` checks them: the mask as bool
     [B, L] with B > 0 a multiple of `group_size`, `prompt_len` in [1, L], `group_size` a
@@ -93,7 +86,7 @@ def _checked_batch(padding_mask, prompt_len, group_size) -> tuple[Tensor, int, i
     if b == 0:
         raise ValueError("padding_mask has no rows (B=0)")
     prompt_len = checked_prompt_len(prompt_len, l)
-    group_size = _positive_int("group_size", group_size)
+    group_size = integer_arg("group_size", group_size, 1)
     if b % group_size:
         raise ValueError(f"{b} rows do not split into groups of group_size={group_size}")
     return mask, prompt_len, group_size
@@ -127,7 +120,7 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     read, so interleaved groups would be planned with wrong sizes; pass `tokens [B, L]` to
     have it checked (ValueError naming the first row out of place)."""
     mask, prompt_len, group_size = _checked_batch(padding_mask, prompt_len, group_size)
-    max_tokens = _positive_int("max_tokens", max_tokens)
+    max_tokens = integer_arg("max_tokens", max_tokens, 1)
     if tokens is not None:
         _check_group_major(tokens, mask, prompt_len, group_size)
     prompts, responses = _group_costs(mask, prompt_len, group_size)
@@ -163,7 +156,7 @@ def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int,
     in `plan_micro_batches`; bad ones raise ValueError naming the value."""
     mask, prompt_len, group_size = _checked_batch(padding_mask, prompt_len, group_size)
     if groups is not None or max_tokens is None:
-        groups = _positive_int("groups", groups)
+        groups = integer_arg("groups", groups, 1)
     if tokens is not None:
         _check_group_major(tokens, mask, prompt_len, group_size)
     if max_tokens is None:

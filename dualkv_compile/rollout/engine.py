@@ -38,7 +38,8 @@ from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
 from .graphs import StepGraph, warm_up, weights_fingerprint
-from .sampling import SamplingParams, draw_noise, integer_arg, sample, stop_ids, stop_mask
+from ..arguments import integer_arg
+from .sampling import SamplingParams, draw_noise, sample, stop_ids, stop_mask
 from .step import make_decode_step, prefill
 from .weights import gathered_weights
 
@@ -251,7 +252,7 @@ class RolloutEngine:
             raise ValueError(f"prompts {empty} hold only pad_id={pad_id}" if mask is None else
                              f"prompts {empty} have no token: prompt_mask is False throughout")
         tokens = prompts[valid]  # the ones the model reads (not those under a False mask)
-        lo, hi = int(tokens.min()), int(tokens.max())
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read
         vocab = self.decoder.vocab_size
         if lo < 0 or hi >= vocab:
             raise ValueError(f"prompts hold token id {lo if lo < 0 else hi}, outside the "

@@ -17,20 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..arguments import as_index
+from ..arguments import as_index, integer_arg
 
-__all__ = ["SamplingParams", "draw_noise", "integer_arg", "sample", "stop_ids", "stop_mask",
-           "stop_table"]
-
-
-def integer_arg(name: str, value, low: int, high: int | None = None) -> int:
-    """value as an int in [low, high) (high None: no upper bound), else a ValueError naming the
-    argument and its value, raised before the value reaches a kernel."""
-    i = as_index(value)
-    if i is None or i < low or (high is not None and i >= high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{name}={value!r} must be an integer {bound}")
-    return i
+__all__ = ["SamplingParams", "draw_noise", "sample", "stop_ids", "stop_mask", "stop_table"]
 
 
 @dataclass(frozen=True)

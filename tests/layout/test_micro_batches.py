@@ -131,15 +131,18 @@ ROWS_ARGS = {"prompt_len": 5, "group_size": 2, "groups": 1, "max_tokens": None}
     ({"prompt_len": 10}, r"prompt_len=10 is outside \[1, L=9\]"),
     ({"prompt_len": 0}, r"prompt_len=0 is outside \[1, L=9\]"),
     ({"prompt_len": -1}, r"prompt_len=-1 is outside \[1, L=9\]"),
-    ({"prompt_len": 5.0}, r"prompt_len must be an int, got float 5\.0"),
-    ({"prompt_len": True}, r"prompt_len must be an int, got bool True"),
-    ({"group_size": 2.0}, r"group_size must be an int, got float 2\.0"),
-    ({"group_size": True}, r"group_size must be an int, got bool True"),
-    ({"group_size": 0}, r"group_size=0 must be a positive int"),
-    ({"group_size": -2}, r"group_size=-2 must be a positive int"),
-    ({"max_tokens": None}, r"max_tokens must be an int, got NoneType None"),
-    ({"max_tokens": 12.0}, r"max_tokens must be an int, got float 12\.0"),
-    ({"max_tokens": True}, r"max_tokens must be an int, got bool True"),
+    ({"prompt_len": 5.0}, r"prompt_len=5\.0 must be an integer"),
+    ({"prompt_len": True}, r"prompt_len=True must be an integer"),
+    ({"group_size": 2.0}, r"group_size=2\.0 must be an integer"),
+    ({"group_size": True}, r"group_size=True must be an integer"),
+    ({"group_size": 0}, r"group_size=0 must be an integer >= 1"),
+    ({"group_size": -2}, r"group_size=-2 must be an integer >= 1"),
+    ({"max_tokens": None}, r"max_tokens=None must be an integer"),
+    ({"max_tokens": 12.0}, r"max_tokens=12\.0 must be an integer"),
+    ({"max_tokens": True}, r"max_tokens=True must be an integer"),
+    ({"group_size": torch.tensor(True)}, r"group_size=tensor\(True\) must be an integer"),
+    ({"max_tokens": torch.tensor([12, 13])}, r"max_tokens=tensor\(\[12, 13\]\) must be an "
+                                             r"integer"),
 ])
 def test_plan_micro_batches_names_a_bad_argument(bad, match):
     mask, _ = small()
@@ -148,18 +151,18 @@ def test_plan_micro_batches_names_a_bad_argument(bad, match):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"groups": -1}, r"groups=-1 must be a positive int"),
-    ({"groups": 0}, r"groups=0 must be a positive int"),
-    ({"groups": 1.0}, r"groups must be an int, got float 1\.0"),
-    ({"groups": True}, r"groups must be an int, got bool True"),
-    ({"groups": None}, r"groups must be an int, got NoneType None"),  # no max_tokens either
-    ({"groups": 0, "max_tokens": 12}, r"groups=0 must be a positive int"),
+    ({"groups": -1}, r"groups=-1 must be an integer >= 1"),
+    ({"groups": 0}, r"groups=0 must be an integer >= 1"),
+    ({"groups": 1.0}, r"groups=1\.0 must be an integer"),
+    ({"groups": True}, r"groups=True must be an integer"),
+    ({"groups": None}, r"groups=None must be an integer"),  # no max_tokens either
+    ({"groups": 0, "max_tokens": 12}, r"groups=0 must be an integer >= 1"),
     ({"prompt_len": 100}, r"prompt_len=100 is outside \[1, L=9\]"),
     ({"prompt_len": 0}, r"prompt_len=0 is outside \[1, L=9\]"),
-    ({"group_size": 2.0}, r"group_size must be an int, got float 2\.0"),
-    ({"group_size": 0}, r"group_size=0 must be a positive int"),
+    ({"group_size": 2.0}, r"group_size=2\.0 must be an integer"),
+    ({"group_size": 0}, r"group_size=0 must be an integer >= 1"),
     ({"group_size": 3}, r"4 rows do not split into groups of group_size=3"),
-    ({"max_tokens": 12.5}, r"max_tokens must be an int, got float 12\.5"),
+    ({"max_tokens": 12.5}, r"max_tokens=12\.5 must be an integer"),
 ])
 def test_micro_batch_rows_names_a_bad_argument(bad, match):
     mask, _ = small()

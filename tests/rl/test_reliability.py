@@ -184,7 +184,7 @@ def test_inputs_are_named():
                                      padding_mask=mask.long())
     assert torch.equal(same, want)
     wrapper(tokens, attention_mask=mask.long(), prompt_len=p)
-    with pytest.raises(ValueError, match=r"prompt_len must be an int, got float 2.5"):
+    with pytest.raises(ValueError, match=r"prompt_len=2.5 must be an integer"):
         dk.pack(tokens, prompt_len=2.5)
     with pytest.raises(ValueError, match=r"padding_mask must hold only 0 and 1.*\[2\]"):
         wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask.long() * 2)
