@@ -276,6 +276,11 @@ class DualKVModel(nn.Module):
         padding = mask[:, -1, :].clone()
         if mask.shape[1] > 1:
             padding[:, -1] = positions[:, -1] > 0
+            lone = (~padding[:, :-1].any(1)).nonzero()[:, 0].tolist()
+            if lone:  # its position is 0 whether it is a token or padding
+                raise ValueError(f"rows {lone} of torchtune's mask have no token before the last "
+                                 "column, so mask and input_pos cannot tell whether that column "
+                                 "is a token or padding; pass padding_mask= instead")
         expected = self._adapter.replicated_mask(padding)
         if not torch.equal(mask, expected):
             raise ValueError("mask is not a causal padding mask as torchtune's "
@@ -294,6 +299,7 @@ class DualKVModel(nn.Module):
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
 
         def dense():
+            self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
             hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
                                         self._adapter.replicated_mask(mask))
             return self._adapter.head(self.model, hidden) * mask[..., None]

@@ -147,6 +147,39 @@ def plain_signature(name, fn, rename=None):
     return f"{name}({', '.join(parts)})".replace("'", '"')
 
 
+@pytest.mark.parametrize("config", [dict(enabled=False), dict()])
+def test_the_dense_forward_refuses_what_the_packed_one_refuses(setup, config):
+    # with enabled=False (the baseline) or after a fallback, forward() ran the model on any
+    # prompt_len and on masks with holes, which the packed path refuses
+    _, tokens, mask, p = setup
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    wrapper = dk.optimize(model, dk.DualKVConfig(**config))
+    holed = mask.clone()
+    holed[0, p + 1] = False  # a hole inside row 0's response
+    assert holed[0, p + 2:].any()
+    for kw, match in [(dict(prompt_len=0), r"prompt_len=0 is outside"),
+                      (dict(prompt_len=2.5), r"prompt_len=2\.5 must be an integer"),
+                      (dict(prompt_len=p, padding_mask=holed), "hole inside the response")]:
+        with pytest.raises(ValueError, match=match):
+            wrapper(tokens, **({"padding_mask": mask} | kw))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(pad_to=True), r"pad_to=True must be an integer"),
+    (dict(group_size=True), r"group_size=True must be an integer"),
+    (dict(padding_mask=[[1, 1]]), r"padding_mask must be a bool or 0/1 integer tensor, got list"),
+])
+def test_pack_reads_integers_by_the_one_rule(setup, kw, match):
+    import numpy as np
+
+    _, tokens, mask, p = setup
+    with pytest.raises(ValueError, match=match):
+        dk.pack(tokens, prompt_len=p, **kw)
+    want = dk.pack(tokens, prompt_len=p, padding_mask=mask).seq_len  # numpy ints were refused
+    for pad_to in (np.int64(128), torch.tensor(128)):
+        assert dk.pack(tokens, prompt_len=p, padding_mask=mask, pad_to=pad_to).seq_len == want
+
+
 def test_api_md_signatures_match_the_code():
     text = API.read_text()
     for sig in [plain_signature("GRPOLoss", GRPOLoss),

@@ -411,3 +411,10 @@ def test_torchtune_mask_and_input_pos_are_accepted():
         wrapper(tokens, mask=tt_mask, prompt_len=p)
     with pytest.raises(ValueError, match="not a causal padding mask"):
         wrapper(tokens, mask=torch.ones_like(tt_mask), input_pos=input_pos, prompt_len=p)
+    # a row whose one token is in the last column has the mask and positions of padding: it
+    # was refused as having no prompt token; the error now says why and what to pass
+    lone = torch.zeros_like(mask[:1])
+    lone[0, -1] = True
+    with pytest.raises(ValueError, match=r"rows \[0\] of torchtune's mask .* pass padding_mask="):
+        wrapper(tokens[:1], mask=get_causal_mask_from_padding_mask(lone),
+                input_pos=get_position_ids_from_padding_mask(lone), prompt_len=tokens.shape[1])

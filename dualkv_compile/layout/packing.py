@@ -202,6 +202,9 @@ def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: in
 def as_padding_mask(mask: Tensor) -> Tensor:
     """A [B, L] padding mask as bool (True = real token): bool as is, integers of 0 and 1 (the
     transformers convention) converted; other values or dtypes refused."""
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"padding_mask must be a bool or 0/1 integer tensor, got "
+                         f"{type(mask).__name__}")
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point() or mask.is_complex():
@@ -232,17 +235,17 @@ def pack(
     if b == 0:
         raise ValueError("tokens has no rows (B=0)")
     prompt_len = checked_prompt_len(prompt_len, l)
-    if not isinstance(pad_to, int) or pad_to < 1:
-        raise ValueError(f"pad_to={pad_to!r} must be a positive int")
+    pad_to = integer_arg("pad_to", pad_to, 1)
     check_bucket_growth(bucket_growth)
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size={group_size!r} must be a positive int or None")
+    if group_size is not None:
+        group_size = integer_arg("group_size", group_size, 1)
     if padding_mask is None:
         padding_mask = torch.ones_like(tokens, dtype=torch.bool)
-    elif padding_mask.shape != tokens.shape:
+    padding_mask = as_padding_mask(padding_mask)
+    if padding_mask.shape != tokens.shape:
         raise ValueError(f"padding_mask shape {tuple(padding_mask.shape)} differs from tokens "
                          f"shape {(b, l)}")
-    padding_mask = as_padding_mask(padding_mask).to(tokens.device)
+    padding_mask = padding_mask.to(tokens.device)
 
     p_first, p_len, p_ok = _contiguous_runs(padding_mask[:, :prompt_len])
     if not bool(p_ok.all()):

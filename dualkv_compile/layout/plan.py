@@ -62,7 +62,8 @@ def _parts(group: int, prompt: int, responses: list[int], budget: int, size: int
             counters["rows_over_budget"] += 1
             log_once(log, logging.WARNING, f"micro-batches: a row packs {prompt + r} tokens "
                      f"(prompt {prompt} + response {r}), over max_tokens={budget}; it gets a "
-                     "micro-batch of its own")
+                     "micro-batch of its own (logged once; counters['rows_over_budget'] counts "
+                     "such rows)", key="micro-batches: row over budget")
         if rows and tokens + r > budget:
             parts.append((tokens, rows))
             rows, tokens = [], prompt
@@ -133,7 +134,9 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     if split:
         counters["groups_split"] += len(split)
         log_once(log, logging.INFO, f"micro-batches: groups {split} exceed max_tokens="
-                 f"{max_tokens} and are split; their prompt is recomputed once per part")
+                 f"{max_tokens} and are split; their prompt is recomputed once per part (logged "
+                 "once; counters['groups_split'] counts such groups)",
+                 key="micro-batches: groups split")
     bins: list[tuple[int, list[int]]] = []
     for tokens, rows in sorted(items, key=lambda item: -item[0]):  # first-fit decreasing
         for i, (used, members) in enumerate(bins):

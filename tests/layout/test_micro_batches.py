@@ -54,6 +54,21 @@ def test_a_row_over_the_budget_gets_a_micro_batch_of_its_own():
     assert all(t <= 20 for rows, t in zip(plan.rows, plan.packed_tokens) if rows != [6])
 
 
+def test_the_planners_notes_are_logged_once_per_process(caplog, monkeypatch):
+    # the notes hold the step's token counts, so deduplicating on the text logged them every
+    # step of a ragged run
+    from dualkv_compile import stats
+
+    monkeypatch.setattr(stats, "_logged", set())
+    _, mask, p = batch()
+    with caplog.at_level("INFO", logger="dualkv_compile.layout.plan"):
+        for budget in (20, 19, 24):  # over-budget rows and split groups, other numbers each time
+            dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=budget)
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 2, notes
+    assert "max_tokens=20" in notes[0] + notes[1]
+
+
 def test_impossible_budgets_are_named():
     _, mask, p = batch()
     with pytest.raises(ValueError, match="max_tokens=0"):
