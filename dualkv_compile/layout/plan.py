@@ -17,6 +17,7 @@ share of the rows (sequence aggregation) or tokens (token aggregation).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,7 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     before `prompt_len` are the prompt, B a multiple of `group_size`), each at most
     `max_tokens` packed tokens (except a row that alone exceeds it). Whole groups, first-fit
     decreasing by packed size; groups over the budget are split (their prompt computed once
-    per part, logged). Bad arguments raise ValueError naming the value.
+    per micro-batch that holds some of their rows, logged). Bad arguments raise ValueError naming the value.
 
     Precondition: rows are group-major (rows g*N .. g*N+N-1 share a prompt). Only the mask is
     read, so interleaved groups would be planned with wrong sizes; pass `tokens [B, L]` to
@@ -125,28 +126,27 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     if tokens is not None:
         _check_group_major(tokens, mask, prompt_len, group_size)
     prompts, responses = _group_costs(mask, prompt_len, group_size)
-    items, split = [], []
-    for g, (p, rs) in enumerate(zip(prompts, responses)):
-        parts = _parts(g, p, rs, max_tokens, group_size)
-        if len(parts) > 1:
-            split.append(g)
-        items.extend(parts)
+    items = [(tokens, rows, g, p) for g, (p, rs) in enumerate(zip(prompts, responses))
+             for tokens, rows in _parts(g, p, rs, max_tokens, group_size)]
+    bins: list[tuple[int, list[int], set[int]]] = []  # packed tokens, rows, groups
+    for tokens, rows, g, p in sorted(items, key=lambda item: -item[0]):  # first-fit decreasing
+        for i, (used, members, groups) in enumerate(bins):
+            cost = tokens - p if g in groups else tokens  # pack() holds a group's prompt once
+            if used + cost <= max_tokens:
+                bins[i] = (used + cost, members + rows, groups | {g})
+                break
+        else:
+            bins.append((tokens, list(rows), {g}))
+    split = sorted(g for g, n in Counter(g for _, _, groups in bins for g in groups).items()
+                   if n > 1)
     if split:
         counters["groups_split"] += len(split)
         log_once(log, logging.INFO, f"micro-batches: groups {split} exceed max_tokens="
-                 f"{max_tokens} and are split; their prompt is recomputed once per part (logged "
-                 "once; counters['groups_split'] counts such groups)",
+                 f"{max_tokens} and are split; their prompt is recomputed once per micro-batch "
+                 "(logged once; counters['groups_split'] counts such groups)",
                  key="micro-batches: groups split")
-    bins: list[tuple[int, list[int]]] = []
-    for tokens, rows in sorted(items, key=lambda item: -item[0]):  # first-fit decreasing
-        for i, (used, members) in enumerate(bins):
-            if used + tokens <= max_tokens:
-                bins[i] = (used + tokens, members + rows)
-                break
-        else:
-            bins.append((tokens, list(rows)))
-    return MicroBatchPlan(rows=[sorted(members) for _, members in bins],
-                          packed_tokens=[used for used, _ in bins], split_groups=split)
+    return MicroBatchPlan(rows=[sorted(members) for _, members, _ in bins],
+                          packed_tokens=[used for used, _, _ in bins], split_groups=split)
 
 
 def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int,

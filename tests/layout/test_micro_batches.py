@@ -54,6 +54,18 @@ def test_a_row_over_the_budget_gets_a_micro_batch_of_its_own():
     assert all(t <= 20 for rows, t in zip(plan.rows, plan.packed_tokens) if rows != [6])
 
 
+def test_parts_of_a_split_group_in_one_micro_batch_pay_its_prompt_once():
+    # prompt 1, responses 5, 9, 1, budget 10: parts {0} (6 tokens), {1} (10), {2} (2); part
+    # {2} joins {0}, where pack() holds the prompt once: 7 tokens, not 8 (the plan counted the
+    # prompt per part), and the group is split across 2 micro-batches, not 3
+    tokens, mask, p = make_batch([1], [[5, 9, 1]], vocab=90)
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=10)
+    assert plan.rows == [[1], [0, 2]] and plan.packed_tokens == [10, 7]
+    assert plan.split_groups == [0]
+    for rows, packed in zip(plan.rows, plan.packed_tokens):
+        assert dk.pack(tokens[rows], prompt_len=p, padding_mask=mask[rows]).num_tokens == packed
+
+
 def test_the_planners_notes_are_logged_once_per_process(caplog, monkeypatch):
     # the notes hold the step's token counts, so deduplicating on the text logged them every
     # step of a ragged run
