@@ -36,10 +36,10 @@ from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_pe
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
-from dualkv_compile.rl.run_guard import StopOnSignal, apply_config_changes, prepare_output_dir
-from dualkv_compile.rollout import RolloutEngine, plan_calls, prompt_mask_of
-from dualkv_compile.rollout.sampling import stop_mask
-from dualkv_compile.rollout.weights import gathered_weights
+from dualkv_compile.rl.run_guard import (RunLock, StopOnSignal, apply_config_changes,
+                                         prepare_output_dir)
+from dualkv_compile.rl.rollout_batch import rollout_batch
+from dualkv_compile.rollout import RolloutEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -61,13 +61,28 @@ class GRPORecipe:
         self.history: list[dict] = []  # the logged metrics, for tests
         self.step = 0
         self.saved_step: int | None = None  # the step of the last checkpoint written
+        self.run_lock: RunLock | None = None  # rank 0's, from setup() to cleanup()
         self.stopped_by: int | None = None  # the signal that ended the run early
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self):
+        # before any work: output_dir serves one live run (rank 0 holds its lock until cleanup()
+        # or the end of the process; a setup that fails lets it go)
+        self.run_lock = RunLock(self.output_dir) if self.rank == 0 else None
+        try:
+            self._setup()
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _release_lock(self):
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _setup(self):
         cfg = self.cfg
-        # before any work: a checkpoint in output_dir is continued or replaced only when asked,
-        # and one to continue is read (memory-mapped) and checked against this config
+        # a checkpoint or trained weights in output_dir are continued or replaced only when
+        # asked, and one to continue is read (memory-mapped) and checked against the config
         self.plain_cfg = OmegaConf.to_container(cfg, resolve=True)
         self.resume_state, self.config_changes = prepare_output_dir(
             self._checkpoint_path(), resume=bool(cfg.resume_from_checkpoint),
@@ -76,7 +91,7 @@ class GRPORecipe:
             weight_dirs=[Path(d) for d in [(cfg.get("checkpointer") or {}).get("output_dir")] if d])
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = instantiate_checked("tokenizer", cfg.tokenizer)
-        self.task = config.instantiate(cfg.task, tokenizer=self.tokenizer)
+        self.task = instantiate_checked("task", cfg.task, tokenizer=self.tokenizer)
         with self.device:  # initialise on the device: random init of GPU-sized models is fast there
             self.model = instantiate_checked("model", cfg.model)
         # a torchtune checkpointer (e.g. dualkv_compile.models.Qwen3HFCheckpointer) loads the
@@ -161,47 +176,17 @@ class GRPORecipe:
         self.step = state["step"]
 
     # ---- rollouts ----------------------------------------------------------------------------
-    @torch.no_grad()
     def rollout(self, prompts: torch.Tensor):
         """prompts [G, P] -> tokens [G*N, P+T], padding mask, response lengths (the stop token
-        included). Each prompt is prefilled once for its N samples (dualkv_compile.rollout)."""
+        included): rl.rollout_batch, each prompt prefilled once for its N samples. A sharded
+        rank with G = 0 still joins the others' weight gathering."""
         cfg, tok = self.cfg, self.tokenizer
-        prompts = prompts.to(self.device)
-        n = cfg.group_size
-        calls = plan_calls(prompts.shape[0], n, cfg.get("rollout_batch_rows"))
-        parts = self._generate_all(prompts, calls)
-        response = torch.cat(parts)
-        batch = prompts.repeat_interleave(n, 0)
-        is_stop = stop_mask(response, tuple(tok.stop_tokens))
-        # valid: everything up to and including the first stop token
-        before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0
-        lengths = before_stop.sum(1)
-        tokens = torch.cat([batch, response], 1)
-        # the prompt is what the engine sampled from: pad_id only in leading/trailing runs
-        mask = torch.cat([prompt_mask_of(batch, tok.pad_id), before_stop], 1)
-        return torch.where(mask, tokens, tok.pad_id), mask, lengths
-
-    def _generate(self, prompts: torch.Tensor, samples: int) -> torch.Tensor:
-        """`samples` responses [G * samples, T] for each of prompts [G, P]."""
-        cfg, tok = self.cfg, self.tokenizer
-        return self.rollout_engine.generate(
-            prompts, samples=samples, max_generated_tokens=cfg.max_generated_tokens,
-            pad_id=tok.pad_id, temperature=cfg.temperature, top_k=cfg.top_k,
-            top_p=cfg.get("top_p"), rng=self.rng, dtype=self.dtype,
-            stop_token=tuple(tok.stop_tokens) or None)
-
-    @torch.no_grad()
-    def _generate_all(self, prompts: torch.Tensor, calls: list) -> list[torch.Tensor]:
-        """The responses of each planned call (rollout.plan_calls). Sharded, the weights are
-        gathered once for all of them (one collective per rollout, on every rank, also on a
-        rank with no calls); the decode steps themselves are local."""
-        with gathered_weights(self.model):
-            return [self._generate(prompts[first:first + count], samples)
-                    for first, count, samples in calls]
-
-    def idle_rollout(self):
-        """A sharded rank with no rows this round still joins the others' weight gathering."""
-        self._generate_all(torch.zeros(0, 1, dtype=torch.long, device=self.device), [])
+        return rollout_batch(
+            self.rollout_engine, prompts.to(self.device), samples=cfg.group_size,
+            pad_id=tok.pad_id, max_generated_tokens=cfg.max_generated_tokens,
+            stop_tokens=tok.stop_tokens, rows_per_call=cfg.get("rollout_batch_rows"),
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.get("top_p"), rng=self.rng,
+            dtype=self.dtype)
 
     def _sample_prompts(self, need: int):
         """This rank's `need` prompts. Every rank draws all ranks' prompts from the task (so
@@ -226,7 +211,7 @@ class GRPORecipe:
                 break
             prompts, answers = self._sample_prompts(need)
             if need == 0:
-                self.idle_rollout()
+                self.rollout(torch.zeros(0, 1, dtype=torch.long))
                 continue
             tokens, mask, lengths = self.rollout(prompts)
             rewards = self.task.rewards(tokens[:, prompts.shape[1]:],
@@ -373,6 +358,7 @@ class GRPORecipe:
     def cleanup(self):
         if self.metric_logger is not None:
             self.metric_logger.close()
+        self._release_lock()
         if self.world_size > 1:
             # no rank may still hold collective work (or tensors it references) when the process
             # group goes: gloo aborted at interpreter exit now and then without this

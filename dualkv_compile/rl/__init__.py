@@ -6,6 +6,7 @@ from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
 from .math_task import MathJSONLTask, final_number
 from ..rollout import generate_groups, plan_calls
+from .rollout_batch import rollout_batch
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
 
@@ -26,4 +27,5 @@ __all__ = [
     "peak_bf16_tflops",
     "plan_calls",
     "policy_update_flops",
+    "rollout_batch",
 ]

@@ -10,6 +10,7 @@ Component sections (`model`, `task`, ...) are checked against the signature of t
 from __future__ import annotations
 
 import difflib
+import math
 import inspect
 import os
 from dataclasses import dataclass
@@ -50,6 +51,10 @@ def _positive(v):
     return None if v > 0 else "must be > 0"
 
 
+def _finite_positive(v):
+    return None if 0 < v < math.inf else "must be a finite number > 0"
+
+
 def _unit_interval(v):
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
@@ -84,7 +89,7 @@ GRPO_SCHEMA: dict[str, Any] = {
     "group_size": Key("int", _group_size),
     "rollout_batch_rows": Key("int", _at_least(1), nullable=True, required=False),
     "max_generated_tokens": Key("int", _at_least(1)),
-    "temperature": Key("float", _positive),
+    "temperature": Key("float", _finite_positive),
     "top_k": Key("int", _at_least(1), nullable=True),
     "top_p": Key("float", _unit_interval, nullable=True, required=False),
     "rollout_share_prompt": Key("bool", nullable=True, required=False),
@@ -280,15 +285,15 @@ def split_problem(groups_per_step: int, ranks: int, micro_batch_groups: int, *,
     return None
 
 
-def instantiate_checked(section: str, target, *args):
-    """torchtune's config.instantiate(target, *args), or target(*args) for a callable: a
-    missing file or folder becomes a ConfigError naming the config section."""
+def instantiate_checked(section: str, target, *args, **kwargs):
+    """torchtune's config.instantiate(target, *args, **kwargs), or target(*args, **kwargs) for
+    a callable: a missing file or folder becomes a ConfigError naming the config section."""
     try:
         if callable(target):
-            return target(*args)
+            return target(*args, **kwargs)
         from torchtune import config
 
-        return config.instantiate(target, *args)
+        return config.instantiate(target, *args, **kwargs)
     except (FileNotFoundError, NotADirectoryError) as e:
         raise ConfigError([f"{section}: {e}"]) from None
 

@@ -1,11 +1,15 @@
-"""What keeps a recipe run from losing work: an output directory that holds a checkpoint is not
-reused silently (and a replaced run is moved aside, not deleted), a checkpoint is checked before
-it is trusted and against the config it is resumed with, and SIGINT / SIGTERM end the run after
-the current step (the recipe then writes its checkpoint and exits 128 + the signal)."""
+"""What keeps a recipe run from losing work: an output directory (or a folder of trained
+weights) that holds an earlier run's is not reused silently (and a replaced run is moved aside,
+not deleted), one output directory serves one live run at a time (RunLock), a checkpoint is
+checked before it is trusted and against the config it is resumed with, and SIGINT / SIGTERM
+end the run after the current step (the recipe then writes its checkpoint and exits 128 + the
+signal)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import threading
 import time
 from datetime import datetime
@@ -13,7 +17,7 @@ from pathlib import Path
 
 from .recipe_config import ConfigError
 
-__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "StopOnSignal", "apply_config_changes",
+__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "RunLock", "StopOnSignal", "apply_config_changes",
            "check_output_dir", "check_resume_config", "config_changes", "load_checkpoint",
            "prepare_output_dir", "read_resume_checkpoint", "set_aside"]
 
@@ -27,12 +31,58 @@ _RUN_CONTROL = ("resume_from_checkpoint", "overwrite_output_dir")
 _LOCATIONS = ("path", "checkpoint_dir", "output_dir")
 
 
-def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
-    """A new run (not resuming) may not start where a checkpoint lies, unless told to."""
-    if checkpoint.exists() and not resume and not overwrite:
+def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool,
+                     weight_dirs: tuple[Path, ...] = ()) -> None:
+    """A new run (not resuming) may not start where a checkpoint lies, nor write its trained
+    weights where an earlier run's epoch_* folders lie (its checkpointer would replace them),
+    unless told to."""
+    if resume or overwrite:
+        return
+    if checkpoint.exists():
         raise ConfigError([f"output_dir={str(checkpoint.parent)!r} holds a checkpoint "
                            f"({checkpoint.name}); continue it with resume_from_checkpoint=true, "
                            "or start over (replacing it) with overwrite_output_dir=true"])
+    earlier = [p.name for d in weight_dirs for p in sorted(d.glob("epoch_*"))]
+    if earlier:
+        dirs = ", ".join(repr(str(d)) for d in weight_dirs)
+        raise ConfigError([f"checkpointer.output_dir={dirs} holds an earlier run's trained "
+                           f"weights ({', '.join(earlier)}), which this run would replace; use "
+                           "another folder, or overwrite_output_dir=true to move them aside"])
+
+
+class RunLock:
+    """Held by one process (the recipe's rank 0) for a whole run: a second run started on the
+    same output_dir is refused while the first lives, since its checkpoints would replace the
+    other's. An exclusive flock on output_dir/run.lock, which the OS releases when the process
+    ends, however it ends (so a crashed run leaves no stale lock). The file stays, naming the
+    last run that held it."""
+
+    NAME = "run.lock"
+
+    def __init__(self, output_dir: Path):
+        import fcntl
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(output_dir / self.NAME, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise ConfigError([f"output_dir={str(output_dir)!r} is in use by another run "
+                               f"({holder}); wait for it to end or use another output_dir"]) \
+                from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+                         f"{datetime.now():%Y-%m-%d %H:%M:%S}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing drops the flock
+            self._file = None
 
 
 def set_aside(paths: list[Path]) -> list[Path]:
@@ -124,10 +174,12 @@ def read_resume_checkpoint(path: Path, *, num_steps: int, world_size: int,
 def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_steps: int,
                        world_size: int, config: dict, weight_dirs: list[Path],
                        rank: int) -> tuple[dict | None, dict]:
-    """Before any work: check_output_dir; with resume, read_resume_checkpoint (returned: the
-    state and the config changes); with overwrite, rank 0 moves the earlier run's checkpoint and
-    the epoch_* folders of `weight_dirs` aside (set_aside) and says where."""
-    check_output_dir(checkpoint, resume=resume, overwrite=overwrite)
+    """Before any work (and after rank 0 took the RunLock): check_output_dir; with resume,
+    read_resume_checkpoint (returned: the state and the config changes); with overwrite, rank 0
+    moves the earlier run's checkpoint and the epoch_* folders of `weight_dirs` aside
+    (set_aside) and says where."""
+    check_output_dir(checkpoint, resume=resume, overwrite=overwrite,
+                     weight_dirs=tuple(weight_dirs))
     if resume:
         return read_resume_checkpoint(checkpoint, num_steps=num_steps, world_size=world_size,
                                       config=config)

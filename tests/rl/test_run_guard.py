@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from recipe_helpers import CONFIG, load_recipe, run
 
 from dualkv_compile.rl.recipe_config import ConfigError, check_recipe_config, instantiate_checked
-from dualkv_compile.rl.run_guard import check_resume_config, set_aside
+from dualkv_compile.rl.run_guard import RunLock, check_output_dir, check_resume_config, set_aside
 
 
 def test_the_last_step_is_saved_once(tmp_path):
@@ -60,6 +60,47 @@ def test_overwrite_moves_the_earlier_run_aside(tmp_path):
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() != before
 
 
+def test_a_second_run_on_a_live_runs_output_dir_is_refused(tmp_path):
+    # both used to pass the start-up check (no checkpoint yet), and the later save replaced
+    # the other run's checkpoint
+    cfg = OmegaConf.load(CONFIG)
+    OmegaConf.update(cfg, "output_dir", str(tmp_path / "run"))
+    first, second = load_recipe().GRPORecipe(cfg), load_recipe().GRPORecipe(cfg.copy())
+    first.setup()
+    with pytest.raises(ConfigError, match=r"output_dir=.*run' is in use by another run \(pid "):
+        second.setup()
+    assert not hasattr(second, "model")  # refused before anything was built
+    first.cleanup()
+    second.setup()  # the first run is over
+    second.cleanup()
+
+
+def test_run_lock_is_refused_while_held_and_free_after():
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        held = RunLock(Path(d) / "out")  # makes the folder
+        with pytest.raises(ConfigError, match="in use by another run"):
+            RunLock(Path(d) / "out")
+        held.release()
+        RunLock(Path(d) / "out").release()
+
+
+def test_a_new_run_may_not_replace_an_earlier_runs_trained_weights(tmp_path):
+    # the checkpointer's epoch_N folders were replaced (and deleted) by a new run writing to
+    # the same checkpointer.output_dir, with no error
+    weights = tmp_path / "exports"
+    (weights / "epoch_1").mkdir(parents=True)
+    ck = tmp_path / "run" / "checkpoint.pt"
+    with pytest.raises(ConfigError, match=r"checkpointer.output_dir=.*exports' holds an earlier "
+                                          r"run's trained weights \(epoch_1\)"):
+        check_output_dir(ck, resume=False, overwrite=False, weight_dirs=(weights,))
+    check_output_dir(ck, resume=True, overwrite=False, weight_dirs=(weights,))
+    check_output_dir(ck, resume=False, overwrite=True, weight_dirs=(weights,))
+    check_output_dir(ck, resume=False, overwrite=False, weight_dirs=(tmp_path / "absent",))
+
+
 def _config(**changes) -> dict:
     cfg = OmegaConf.load(CONFIG)
     for key, value in changes.items():
@@ -74,6 +115,7 @@ def _config(**changes) -> dict:
     ({"dualkv.bucket_growth": 0.5}, "dualkv.bucket_growth (x): 0.5 must be in [1, 4]"),
     ({"micro_batch_groups": 3}, "groups_per_step (x): 8 must split into 1 rank(s) x whole "
                                 "micro-batches of micro_batch_groups=3"),
+    ({"temperature": float("inf")}, "temperature (x): inf must be a finite number > 0"),
 ])
 def test_values_that_fail_together_are_refused_up_front(changes, message, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -95,6 +137,15 @@ def test_a_missing_file_of_a_component_names_its_section(tmp_path):
                              "path": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match=r"^tokenizer: tokenizer directory .*nope does not exist"):
         instantiate_checked("tokenizer", node)
+
+
+def test_a_missing_task_file_names_its_section(tmp_path):
+    cfg = OmegaConf.load(CONFIG)
+    OmegaConf.update(cfg, "output_dir", str(tmp_path / "run"))
+    OmegaConf.update(cfg, "task", {"_component_": "dualkv_compile.rl.MathJSONLTask",
+                                   "path": str(tmp_path / "nope.jsonl")}, merge=False)
+    with pytest.raises(ConfigError, match=r"^task: .*nope\.jsonl"):
+        load_recipe().GRPORecipe(cfg).setup()
 
 
 def test_a_resume_may_find_the_same_files_at_another_path():

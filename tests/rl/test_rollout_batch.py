@@ -1,0 +1,54 @@
+"""rl.rollout_batch (CPU, float64): the engine's responses in planned calls, joined to their
+prompts with a padding mask that ends at each response's first stop token; a rank without
+prompts gets empty tensors."""
+
+import torch
+
+from dualkv_compile.rl import rollout_batch
+from dualkv_compile.rollout import RolloutEngine, plan_calls
+from dualkv_compile.testing import same_dtype_numerics, tiny_model
+
+PAD, EOS, VOCAB = 0, 1, 8
+
+
+def model():
+    m = tiny_model("qwen2_5", vocab=VOCAB, seed=0)
+    with torch.no_grad():  # torchtune's N(0, 1) embeddings sample near-greedily
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return same_dtype_numerics(m.double().eval())
+
+
+def test_rollout_batch_joins_the_planned_calls_responses_to_their_prompts():
+    torch.manual_seed(0)
+    model_ = model()
+    prompts = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(0))
+    prompts[1, :3] = PAD  # left padding
+    prompts[2, -2:] = PAD  # right padding
+    kw = dict(samples=4, pad_id=PAD, max_generated_tokens=12, temperature=2.0)
+    tokens, mask, lengths = rollout_batch(RolloutEngine(model_), prompts, stop_tokens=[EOS],
+                                          rows_per_call=8, rng=torch.Generator().manual_seed(1),
+                                          **kw)
+    # the same calls made by hand: groups (0, 1) together, then group 2
+    assert plan_calls(3, 4, 8) == [(0, 2, 4), (2, 1, 4)]
+    engine, gen = RolloutEngine(model_), torch.Generator().manual_seed(1)
+    response = torch.cat([engine.generate(prompts[a:a + n], stop_token=(EOS,), rng=gen, **kw)
+                          for a, n, _ in plan_calls(3, 4, 8)])
+    assert tokens.shape == mask.shape == (12, 7 + 12)
+    is_stop = response == EOS
+    assert is_stop.any() and not is_stop.any(1).all()  # some rows stop, some reach the cap
+    first = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, 12)
+    assert torch.equal(lengths, first)
+    assert torch.equal(mask[:, 7:], torch.arange(12)[None] < first[:, None])
+    assert torch.equal(tokens[:, 7:], torch.where(mask[:, 7:], response, PAD))
+    rows = prompts.repeat_interleave(4, 0)
+    assert torch.equal(mask[:, :7], rows != PAD) and torch.equal(tokens[:, :7], rows)
+
+
+def test_a_rank_without_prompts_gets_empty_tensors():
+    none = torch.zeros(0, 5, dtype=torch.long)
+    tokens, mask, lengths = rollout_batch(RolloutEngine(model()), none, samples=4, pad_id=PAD,
+                                          max_generated_tokens=6)
+    assert tokens.shape == mask.shape == (0, 11) and lengths.shape == (0,)
+    assert mask.dtype == torch.bool
