@@ -18,6 +18,8 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
+from .presets import preset
+
 __all__ = ["QWEN3_SIZES", "Qwen3Attention", "qwen3", "qwen3_tiny", "qwen3_0_6b", "qwen3_1_7b",
            "qwen3_4b", "qwen3_8b"]
 
@@ -91,11 +93,6 @@ def qwen3(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int
     return model
 
 
-def qwen3_tiny(vocab_size: int = 151936, **kw) -> TransformerDecoder:
-    return qwen3(vocab_size=vocab_size, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
-                 intermediate_dim=128, head_dim=16, tie_word_embeddings=True, **kw)
-
-
 # transformers' published Qwen3 shapes; the single source for the builders and the CLI
 QWEN3_SIZES = {
     "0.6b": dict(num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=1024,
@@ -110,21 +107,12 @@ QWEN3_SIZES = {
 QWEN3_VOCAB = 151936
 
 
-def _sized(size: str, kw: dict) -> TransformerDecoder:
-    return qwen3(**{"vocab_size": QWEN3_VOCAB, **QWEN3_SIZES[size], **kw})
-
-
-def qwen3_0_6b(**kw):
-    return _sized("0.6b", kw)
-
-
-def qwen3_1_7b(**kw):
-    return _sized("1.7b", kw)
-
-
-def qwen3_4b(**kw):
-    return _sized("4b", kw)
-
-
-def qwen3_8b(**kw):
-    return _sized("8b", kw)
+qwen3_tiny = preset(qwen3, "qwen3_tiny", "A 2-layer Qwen3 of 64 dims (tied embeddings), for "
+                    "tests and CPU runs.", vocab_size=QWEN3_VOCAB, num_layers=2, num_heads=4,
+                    num_kv_heads=2, embed_dim=64, intermediate_dim=128, head_dim=16,
+                    tie_word_embeddings=True)
+qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b = (
+    preset(qwen3, f"qwen3_{size.replace('.', '_')}", f"Qwen3-{size.upper()}'s shape (random "
+           "weights; any argument may be overridden, e.g. num_layers).", vocab_size=QWEN3_VOCAB,
+           **QWEN3_SIZES[size])
+    for size in ("0.6b", "1.7b", "4b", "8b"))

@@ -8,6 +8,8 @@ and the rollout engine both take transformers causal LMs).
 
 from __future__ import annotations
 
+from .presets import preset
+
 __all__ = ["QWEN3_30B_A3B", "qwen3_moe", "qwen3_moe_from_hf_config", "qwen3_moe_tiny"]
 
 # transformers' published Qwen3-30B-A3B shape
@@ -42,11 +44,10 @@ def qwen3_moe(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads:
     return model
 
 
-def qwen3_moe_tiny(vocab_size: int = 151936, **kw):
-    return qwen3_moe(**{"vocab_size": vocab_size, "num_layers": 2, "num_heads": 4,
-                        "num_kv_heads": 2, "embed_dim": 64, "head_dim": 16,
-                        "moe_intermediate_dim": 32, "num_experts": 4, "experts_per_token": 2,
-                        **kw})
+qwen3_moe_tiny = preset(qwen3_moe, "qwen3_moe_tiny", "A 2-layer Qwen3-MoE of 64 dims (4 "
+                        "experts, 2 per token), for tests and CPU runs.", vocab_size=151936,
+                        num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, head_dim=16,
+                        moe_intermediate_dim=32, num_experts=4, experts_per_token=2)
 
 
 def qwen3_moe_from_hf_config(path: str, **overrides):

@@ -172,3 +172,22 @@ def test_set_aside_moves_within_each_folder_and_names_what_it_cannot_move(tmp_pa
     monkeypatch.setattr(type(weights), "rename", refuse)
     with pytest.raises(ConfigError, match=r"cannot move .*epoch_3 aside .*cross-device link"):
         set_aside([weights / "epoch_3"])
+
+
+def test_preset_builders_name_every_argument_so_a_typo_is_refused():
+    # qwen3_8b and qwen3_moe_tiny took **kwargs: every model key of the 8B-shaped and MoE
+    # configs was warned about ("known keys: []") and a misspelled one only warned; and
+    # qwen3_tiny(num_layers=3) raised "got multiple values"
+    from dualkv_compile.models import qwen3_tiny
+
+    for config in ("tiny_moe_grpo.yaml", "tiny_grpo.yaml"):
+        cfg = OmegaConf.to_container(OmegaConf.load(CONFIG.parent / config), resolve=True)
+        assert check_recipe_config(cfg, config_file="x", overrides=[]) == []
+    cfg = _config(**{"model._component_": "dualkv_compile.models.qwen3_8b",
+                     "model.num_layerz": 2})
+    del cfg["model"]["vocab_size"], cfg["model"]["embed_dim"], cfg["model"]["num_layers"]
+    with pytest.raises(ConfigError) as e:
+        check_recipe_config(cfg, config_file="x", overrides=[])
+    assert any(p.startswith("model.num_layerz (x): ") and "did you mean 'num_layers'" in p
+               for p in e.value.problems), e.value.problems
+    assert len(qwen3_tiny(num_layers=3, vocab_size=16).layers) == 3
