@@ -13,6 +13,7 @@ from dualkv_compile import pack
 from dualkv_compile.attention.block_mask import BLOCK_SIZE, dense_mask
 from dualkv_compile.testing import make_batch
 from dualkv_compile.tools.cli import build_parser, main
+from dualkv_compile.tools.models import PRESETS
 from dualkv_compile.tools.plan_cmd import estimate
 from recipe_helpers import ROOT
 
@@ -121,6 +122,37 @@ def test_plan_prints_the_estimate(capsys):
     assert e["rho"] == pytest.approx(8 / 5)
 
 
+def test_plan_counts_every_expert_and_the_logits_once_per_micro_batch(tmp_path, capsys):
+    # a Qwen3-30B-A3B config was planned as a 3.3B dense model, and the LM head's chunk of
+    # logits (one per micro-batch) was counted once per group
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+           "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+           "num_experts_per_tok": 8, "vocab_size": 151936}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path), "-N", "32", "-P", "8192", "-R", "1024",
+                 "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "30.53B parameters" in out and "128 experts of ff=768, 8 a token" in out
+    assert "in 80 GiB: none; the training state and one chunk of logits alone need 348.2 GiB" in out
+    dims = dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, ff=768,
+                vocab=151936, tied=False)
+    dense, moe = estimate(dims, 32, 8192, 1024), estimate(dims | dict(experts=128, active=8),
+                                                           32, 8192, 1024)
+    attn_flops = 12 * 128 * 32 * 48 * (8192 * 8193 // 2 + 32 * (8192 * 1024 + 1024 * 1025 // 2))
+    head_flops = 6 * 151936 * 2048 * 32 * 1024
+    per_token_mlp = 6 * 48 * (8 - 1) * 3 * 2048 * 768 + 6 * 48 * 2048 * 128  # 7 more experts
+    assert moe["flops_dualkv"] - dense["flops_dualkv"] == per_token_mlp * (8192 + 32 * 1024)
+    assert dense["flops_dualkv"] > attn_flops + head_flops
+    e = estimate(PRESETS["qwen3-0.6b"], 16, 2048, 512)
+    assert main(["plan", "--model", "qwen3-0.6b", "-N", "16", "-P", "2048", "-R", "512",
+                 "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    free = 80 * 2**30 - e["static_bytes"] - e["logits_bytes"]
+    fit = [int(free // e[f"checkpointed_bytes_{k}"]) for k in ("plain", "dualkv")]
+    assert f"layer checkpointing: plain {fit[0]}, dualkv {fit[1]}" in out and fit[1] > 60
+
+
 FLAGS = {
     "inspect": ["--attention-backend", "--group-size", "--groups", "--help", "--layers", "--model", "--out",
                 "--prompt-len", "--response-len", "-P", "-R", "-h"],
@@ -182,8 +214,10 @@ def test_bench_suite_dispatches_each_benchmark(monkeypatch, capsys):
                      ("dualkv_compile.tools.bench_policy_update", ["--no-optimizer", "--layers", "2"],
                       f"{module_prog} model"),
                      ("dualkv_compile.tools.bench_policy_update", [], f"{module_prog} step")]
-    with pytest.raises(SystemExit, match="unknown benchmark 'speed'"):
+    with pytest.raises(SystemExit) as exit_info:
         bench.main(["speed"])
+    assert exit_info.value.code == 2
+    assert "unknown benchmark 'speed'" in capsys.readouterr().err
 
 
 def test_ragged_benchmark_cases_are_seeded_and_within_the_issue_ranges():
@@ -323,3 +357,14 @@ def test_ragged_benchmark_counts_tiles_by_hand(capsys):
     ragged_main(["--tiles-only", "--caps", "2048,512", "--seeds", "0"])  # runs without a GPU
     table = capsys.readouterr().out
     assert "| 2048 | 512 | 0 | 6 x 8 | 2.28 | 1298 (40%) | 2753 | 0.93 |" in table
+
+
+def test_inspect_traces_the_flex_graph_for_a_gpu_kernel_and_refuses_merged_groups(capsys):
+    # --attention-backend flash/triton was offered but always refused (the CPU model); and
+    # more groups than the tiny vocabulary holds distinct prompts for were merged silently
+    assert main(["inspect", "--model", "hf_llama", "--attention-backend", "triton"]) == 0
+    assert "flex_attention" in capsys.readouterr().out
+    assert main(["inspect", "--model", "qwen2_5", "--groups", "200", "--group-size", "2",
+                 "-P", "1", "-R", "1"]) == 2
+    assert "--groups 200: qwen2_5's vocabulary of 101 tokens holds distinct prompts for at " \
+           "most 98 groups" in capsys.readouterr().err

@@ -15,7 +15,18 @@ import torch
 from .models import CliError
 
 __all__ = ["add_out_argument", "add_shapes_argument", "check_out_path", "environment",
-           "interleaved_medians", "parse_shape", "write_results"]
+           "interleaved_medians", "parse_shape", "positive_int", "write_results"]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse reports anything else with the usage)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

@@ -41,8 +41,10 @@ SUITE = {
 def run(name: str, argv: list[str], prog: str | None = None) -> None:
     """Run benchmark `name` with `argv`; its usage and errors name it as `prog` (default:
     `dualkv bench NAME`)."""
-    if name not in SUITE:
-        raise SystemExit(f"unknown benchmark {name!r}; choose one of {sorted(SUITE)}")
+    if name not in SUITE:  # exit 2, as argparse does for a bad argument
+        print(f"{prog or 'dualkv bench'}: error: unknown benchmark {name!r}; choose one of "
+              f"{sorted(SUITE)}", file=sys.stderr)
+        raise SystemExit(2)
     module, fixed = SUITE[name]
     importlib.import_module(module).main(fixed + list(argv), prog=prog or f"dualkv bench {name}")
 

@@ -25,8 +25,9 @@ import tarfile
 
 import torch
 
+from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
-                                          write_results)
+                                          positive_int, write_results)
 
 OTHER = "dualkv_other"
 # where setuptools maps these source folders inside the package
@@ -35,10 +36,18 @@ MAPPED = {"dualkv_compile": "", "passes": "passes", "tools": "tools"}
 
 def prepare(commit: str, other_dir: str) -> None:
     """Write COMMIT's package to OTHER_DIR/dualkv_other under the new package and op names."""
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    archive = subprocess.run(["git", "archive", commit, *MAPPED], cwd=root,
-                             capture_output=True, check=True).stdout
+    here = os.path.dirname(os.path.abspath(__file__))  # the checkout this package runs from
+    found = subprocess.run(["git", "-C", here, "rev-parse", "--show-toplevel"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise ValueError(f"--prepare needs the package as a git checkout (an editable "
+                         f"install); {here} is not in one")
+    archive = subprocess.run(["git", "archive", commit, *MAPPED], cwd=found.stdout.strip(),
+                             capture_output=True)
+    if archive.returncode:
+        why = archive.stderr.decode(errors="replace").strip().splitlines()
+        raise ValueError(f"--prepare {commit}: git archive failed ({why[0] if why else ''})")
+    archive = archive.stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         for member in tar.getmembers():
             if not (member.isfile() and member.name.endswith(".py")):
@@ -84,21 +93,24 @@ def main(argv=None, prog=None):
     ap.add_argument("--prepare", metavar="COMMIT", help="write COMMIT's package and exit")
     ap.add_argument("--other-dir", required=True)
     ap.add_argument("--kernels", nargs="+", default=["flash", "triton", "regions",
-                                                     "flash_regions"])
+                                                     "flash_regions"], choices=list(KERNELS))
     ap.add_argument("--shapes", nargs="+", default=["16,4096,1024", "32,8192,1024"])
     ap.add_argument("--ragged-seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--max-tokens", type=int, default=262144)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rep-ms", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=positive_int, default=262144)
+    ap.add_argument("--heads", type=positive_int, default=32)
+    ap.add_argument("--kv-heads", type=positive_int, default=8)
+    ap.add_argument("--head-dim", type=positive_int, default=128)
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--rep-ms", type=positive_int, default=1000)
     add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.prepare:
-        return prepare(args.prepare, args.other_dir)
+        try:
+            return prepare(args.prepare, args.other_dir)
+        except ValueError as e:
+            ap.error(str(e))
     if not torch.cuda.is_available():
-        raise SystemExit("the A/B benchmark needs a CUDA GPU")
+        ap.error("this benchmark needs a CUDA GPU")
     sys.path.insert(0, args.other_dir)
     sides = {"this": importlib.import_module("dualkv_compile"),
              "other": importlib.import_module(OTHER)}

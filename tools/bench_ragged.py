@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.testing import make_batch
+from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
-                                          write_results)
+                                          positive_int, write_results)
 from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
@@ -212,17 +213,17 @@ def main(argv=None, prog=None):
     ap.add_argument("--caps", type=_parse_caps, nargs="+", default=list(CAPS),
                     metavar="P_cap,R_cap", help="prompt and response length caps (default: "
                     + " ".join(f"{p},{r}" for p, r in CAPS) + ")")
-    ap.add_argument("--kernels", nargs="+", default=["auto"],
+    ap.add_argument("--kernels", nargs="+", default=["auto"], choices=list(KERNELS),
                     help="attention kernels of ours (DualKVConfig.attention_backend values)")
     ap.add_argument("--input-layouts", nargs="+", choices=["token", "head"], default=["token"],
                     help="q/k/v memory layouts to time ours with (token: a model's)")
-    ap.add_argument("--max-tokens", type=int, default=262144,
+    ap.add_argument("--max-tokens", type=positive_int, default=262144,
                     help="replicated tokens per micro-batch at most")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rep-ms", type=int, default=600)
+    ap.add_argument("--heads", type=positive_int, default=32)
+    ap.add_argument("--kv-heads", type=positive_int, default=8)
+    ap.add_argument("--head-dim", type=positive_int, default=128)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--rep-ms", type=positive_int, default=600)
     ap.add_argument("--tiles-only", action="store_true",
                     help="count the tiles of each case (CPU) and time nothing")
     add_out_argument(ap)
@@ -232,7 +233,7 @@ def main(argv=None, prog=None):
                 for p_cap, r_cap in args.caps for seed in args.seeds]
         return write_results(args.out, {"tiles_only": True}, rows, _tiles_table(rows))
     if not torch.cuda.is_available():
-        raise SystemExit("the ragged attention benchmark needs a CUDA GPU")
+        ap.error("this benchmark needs a CUDA GPU (--tiles-only counts tiles on the CPU)")
     rows = []
     for p_cap, r_cap in args.caps:
         for seed in args.seeds:

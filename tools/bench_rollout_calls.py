@@ -26,7 +26,8 @@ import torch
 from dualkv_compile.models import qwen3_8b
 from dualkv_compile.models.qwen3 import QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine, prompt_bucket
-from dualkv_compile.tools._common import parse_shape, add_out_argument, environment, write_results
+from dualkv_compile.tools._common import (add_out_argument, environment, parse_shape,
+                                          positive_int, write_results)
 
 VARIANTS = ("engine", "rebuild")
 
@@ -81,12 +82,12 @@ def main(argv=None, prog=None):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", type=parse_shape, default=parse_shape("16,4096,1024"),
                     metavar="N,P,R", help="N responses of R tokens; P the prompts' padded width")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--groups", type=int, default=2, help="prompts per call")
+    ap.add_argument("--layers", type=positive_int, default=8)
+    ap.add_argument("--groups", type=positive_int, default=2, help="prompts per call")
     ap.add_argument("--prompt-lens", type=int, nargs="+", metavar="L",
                     default=[4000, 3300, 3900, 3400, 4050, 3250],
                     help="each call's longest prompt, in call order (at most P)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=2)
     add_out_argument(ap)
     args = ap.parse_args(argv)
     n, p, r = args.shape

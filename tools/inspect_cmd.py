@@ -51,9 +51,19 @@ def run_inspect(args, out=print) -> int:
                                  [[args.response_len] * args.group_size] * args.groups,
                                  vocab=max(vocab - args.groups - 2, 2), generator=g)
     tokens = tokens % vocab
+    packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
+    if packed.num_groups != args.groups:  # each group's first token must differ
+        raise CliError(f"--groups {args.groups}: {args.model}'s vocabulary of {vocab} tokens "
+                       f"holds distinct prompts for at most {max(vocab - 3, 1)} groups here")
+    # the flex kernels (auto, flash, triton) share one graph form: the CPU trace shows it, and
+    # the lines below name the kernel a GPU would run
+    asked = args.attention_backend
+    from dualkv_compile.attention.registry import attention_kernel
+
     try:
         config = dk.DualKVConfig(backend="aot_eager", fallback="error",
-                                 attention_backend=args.attention_backend)
+                                 attention_backend="auto" if attention_kernel(asked).flex
+                                 else asked)
         wrapper = dk.optimize(model, config)
     except (TypeError, ValueError) as e:
         raise CliError(f"optimize() rejects {args.model}: {e}") from None
@@ -66,14 +76,11 @@ def run_inspect(args, out=print) -> int:
             wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     except Refusal as e:
         refusal = e
-    packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
     out(f"model {args.model}: {type(model).__name__}; layout: {args.groups} group(s) x "
         f"{args.group_size} responses, prompt {args.prompt_len}, response {args.response_len}; "
         f"T={packed.seq_len}, rho={packed.rho:.2f}")
-    from dualkv_compile.attention.registry import attention_kernel
     from dualkv_compile.attention.selection import describe_attention_backend
 
-    asked = args.attention_backend
     cpu = describe_attention_backend(torch.device("cpu"),
                                      requested="auto" if attention_kernel(asked).flex else asked)
     out(f"attention kernel: {cpu}")

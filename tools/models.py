@@ -84,13 +84,27 @@ def _read_hf_config(path: Path) -> dict:
     return cfg
 
 
-def _hf_dims(cfg: dict) -> dict:
+def _hf_dims(cfg: dict, path: Path) -> dict:
     heads = cfg["num_attention_heads"]
-    return dict(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
+    dims = dict(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
                 kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                 ff=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                 tied=bool(cfg.get("tie_word_embeddings", False)))
+    # a mixture of experts: Qwen3-MoE's fields (Mixtral's num_local_experts, whose
+    # intermediate_size is the expert's)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+            raise CliError(f"{path}: layers without experts (decoder_sparse_step, "
+                           "mlp_only_layers) are not modelled; plan takes every layer sparse")
+        for key in ("num_experts_per_tok",):
+            if type(cfg.get(key)) is not int or not 1 <= cfg[key] <= experts:
+                raise CliError(f"{path}: {key} = {json.dumps(cfg.get(key))} must be an integer "
+                               f"in [1, {experts}] for a config with {experts} experts")
+        dims |= dict(experts=experts, active=cfg["num_experts_per_tok"],
+                     ff=cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    return dims
 
 
 def _unknown(name: str) -> CliError:
@@ -107,7 +121,7 @@ def model_dims(name: str) -> dict:
     path = _hf_config_path(name)
     if path is None:
         raise _unknown(name)
-    return _hf_dims(_read_hf_config(path))
+    return _hf_dims(_read_hf_config(path), path)
 
 
 def _check_positions(name: str, positions: int | None, limit: int | None) -> None:

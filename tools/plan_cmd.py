@@ -1,18 +1,23 @@
 """`dualkv plan`: predicted savings and memory of a GRPO policy update, with and without dualkv.
 
-An estimate, stated so it can be checked: parameters from the model's shape; training state
+An estimate, stated so it can be checked: parameters from the model's shape (a mixture of
+experts: every expert counted, and k of E experts active per token); training state
 `--state-bytes` per parameter (default 12: bf16 weights and gradients, fp32 AdamW moments);
 activations kept for the backward, bf16, per token and layer 2 x (4d + 2 Hq D + 2 Hkv D + 3 ff)
-bytes (norm inputs, q/k/v, attention output, MLP input, gate/up/act) without recomputation, or
-with layer checkpointing 2 x d per token and layer plus one layer's full set; the LM head as
-dualkv_compile runs it in both cases (needed positions only, one chunk of logits).
-FLOPs: 6 x layer parameters per token, 12 x D x Hq per causal pair and layer, 6 x V x d per
-predicted token.
+bytes (norm inputs, q/k/v, attention output, MLP input, gate/up/act; ff = k x the expert's for
+a mixture of experts) without recomputation, or with layer checkpointing 2 x d per token and
+layer plus one layer's full set; the LM head as dualkv_compile runs it in both cases: the
+hidden states of the predicted positions per group, and one chunk of logits
+(DualKVConfig.logprob_chunk_size rows, fp32, three buffers) per micro-batch.
+FLOPs: 6 x a token's active layer parameters per token, 12 x D x Hq per causal pair and layer,
+6 x V x d per predicted token.
 """
 
 from __future__ import annotations
 
 import math
+
+from dualkv_compile.config import DualKVConfig
 
 from .models import CliError, model_dims
 
@@ -22,12 +27,18 @@ GIB = 2**30
 
 
 def estimate(d: dict, n: int, p: int, r: int, *, state_bytes: int = 12,
-             chunk: int = 1024) -> dict:
+             chunk: int = DualKVConfig.logprob_chunk_size) -> dict:
+    """d: model_dims' shape; a mixture of experts also has `experts` (E) and `active` (k), its
+    `ff` being one expert's."""
     h, hd = d["hidden"], d["head_dim"]
     q_dim, kv_dim = d["heads"] * hd, d["kv_heads"] * hd
-    layer_params = h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * d["ff"] + 2 * h
+    experts, active = d.get("experts", 1), d.get("active", 1)
+    router = h * experts if "experts" in d else 0
+    attn_params = h * q_dim + 2 * h * kv_dim + q_dim * h + 2 * h
+    layer_params = attn_params + experts * 3 * h * d["ff"] + router
+    active_params = attn_params + active * 3 * h * d["ff"] + router  # what a token runs
     params = d["layers"] * layer_params + d["vocab"] * h * (1 if d["tied"] else 2) + h
-    per_layer_token = 2 * (4 * h + 2 * q_dim + 2 * kv_dim + 3 * d["ff"])
+    per_layer_token = 2 * (4 * h + 2 * q_dim + 2 * kv_dim + 3 * active * d["ff"])
     per_token = d["layers"] * per_layer_token
     per_token_ckpt = d["layers"] * 2 * h + per_layer_token
     replicated_tokens, packed_tokens = n * (p + r), p + n * r
@@ -35,15 +46,16 @@ def estimate(d: dict, n: int, p: int, r: int, *, state_bytes: int = 12,
     packed_pairs = p * (p + 1) // 2 + n * (p * r + r * (r + 1) // 2)
     head_flops = 6 * d["vocab"] * h * n * r
     attn = 12 * hd * d["heads"] * d["layers"]
-    head_memory = n * r * h * 2 + 3 * chunk * d["vocab"] * 4
+    head_memory = n * r * h * 2  # the predicted positions' hidden states, per group
     return {
         "params": params,
         "static_bytes": params * state_bytes,
+        "logits_bytes": 3 * chunk * d["vocab"] * 4,  # per micro-batch, not per group
         "rho": replicated_tokens / packed_tokens,
         "pair_reduction": replicated_pairs / packed_pairs,
-        "flops_plain": 6 * d["layers"] * layer_params * replicated_tokens
+        "flops_plain": 6 * d["layers"] * active_params * replicated_tokens
         + attn * replicated_pairs + head_flops,
-        "flops_dualkv": 6 * d["layers"] * layer_params * packed_tokens
+        "flops_dualkv": 6 * d["layers"] * active_params * packed_tokens
         + attn * packed_pairs + head_flops,
         "activation_bytes_plain": per_token * replicated_tokens + head_memory,
         "activation_bytes_dualkv": per_token * packed_tokens + head_memory,
@@ -61,9 +73,11 @@ def run_plan(args, out=print) -> int:
         raise CliError(f"--gpu-memory {args.gpu_memory}: must be a positive, finite number of GiB")
     d = model_dims(args.model)
     e = estimate(d, args.N, args.P, args.R, state_bytes=args.state_bytes)
+    mlp = (f"{d['experts']} experts of ff={d['ff']}, {d['active']} a token" if "experts" in d
+           else f"ff={d['ff']}")
     out(f"model {args.model}: {e['params'] / 1e9:.2f}B parameters ({d['layers']} layers, "
         f"d={d['hidden']}, {d['heads']}/{d['kv_heads']} heads of {d['head_dim']}, "
-        f"ff={d['ff']}, vocab {d['vocab']}); one group: N={args.N}, P={args.P}, R={args.R}")
+        f"{mlp}, vocab {d['vocab']}); one group: N={args.N}, P={args.P}, R={args.R}")
     out(f"token reduction rho:          {e['rho']:.2f}x  "
         f"({args.N * (args.P + args.R)} -> {args.P + args.N * args.R} tokens)")
     out(f"attention FLOP reduction:     {e['pair_reduction']:.2f}x (causal pairs)")
@@ -73,13 +87,16 @@ def run_plan(args, out=print) -> int:
         f"{e['activation_bytes_dualkv'] / GIB:.2f} GiB (bf16, no recomputation)")
     out(f"  with layer checkpointing:   {e['checkpointed_bytes_plain'] / GIB:.2f} -> "
         f"{e['checkpointed_bytes_dualkv'] / GIB:.2f} GiB")
+    out(f"  plus, per micro-batch:      {e['logits_bytes'] / GIB:.2f} GiB of LM-head logits "
+        f"(one chunk)")
     out(f"weights, grads, optimizer:    {e['static_bytes'] / GIB:.2f} GiB "
         f"({args.state_bytes} bytes/parameter)")
     if args.gpu_memory is not None:
-        free = args.gpu_memory * GIB - e["static_bytes"]
+        free = args.gpu_memory * GIB - e["static_bytes"] - e["logits_bytes"]
         if free <= 0:
             out(f"groups per micro-batch in {args.gpu_memory:g} GiB: none; the training state "
-                f"alone needs {e['static_bytes'] / GIB:.1f} GiB (shard it, e.g. FSDP)")
+                f"and one chunk of logits alone need "
+                f"{(e['static_bytes'] + e['logits_bytes']) / GIB:.1f} GiB (shard it, e.g. FSDP)")
             return 0
         for kind, key in (("no recomputation", "activation_bytes"),
                           ("layer checkpointing", "checkpointed_bytes")):

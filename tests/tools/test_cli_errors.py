@@ -110,15 +110,18 @@ def test_out_paths_are_checked_before_the_work(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine with no GPU")
 def test_benchmarks_refuse_to_run_without_a_gpu(capsys):
-    from dualkv_compile.tools import bench_attention, bench_policy_update, bench_ragged
+    from dualkv_compile.tools import bench_ab, bench_attention, bench_policy_update, bench_ragged
 
     for module in (bench_attention, bench_policy_update):
         with pytest.raises(SystemExit) as exit_info:
             module.main(["--shapes", "2,128,128"])
         assert exit_info.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        bench_ragged.main([])
+    for module in (bench_ragged, bench_ab):  # these exited 1 with a bare message
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(["--other-dir", "/tmp"] if module is bench_ab else [])
+        assert exit_info.value.code == 2
+        assert "this benchmark needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("module", ["bench_rollout", "bench_rollout_calls"])
@@ -166,3 +169,20 @@ def test_a_benchmarks_out_is_checked_before_the_work(bench_name, tmp_path, capsy
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert f"usage: dualkv bench {bench_name}" in err and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ragged", "--tiles-only", "--kernels", "bogus"],
+     "argument --kernels: invalid choice: 'bogus'"),
+    (["ragged", "--tiles-only", "--max-tokens", "0"],
+     "argument --max-tokens: 0 must be at least 1"),
+    (["ab", "--other-dir", "/tmp/x", "--rounds", "0"], "argument --rounds: 0 must be at least 1"),
+    (["ab", "--prepare", "nosuchcommit", "--other-dir", "/tmp/x"],
+     "--prepare nosuchcommit: git archive failed"),
+])
+def test_benchmark_arguments_are_checked_by_argparse(argv, message, capsys):
+    # these were accepted (and failed later, or never), or ended in a traceback (exit 1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
