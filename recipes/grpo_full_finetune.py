@@ -33,6 +33,7 @@ from tqdm import tqdm
 import dualkv_compile as dk
 from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
                                peak_bf16_tflops, policy_update_flops)
+from dualkv_compile.durable import sync, sync_entry
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
@@ -153,13 +154,16 @@ class GRPORecipe:
         self.saved_step = self.step  # on every rank: they decide alike whether to save again
         if self.rank != 0:
             return
-        # written aside, then renamed: a crash mid-write leaves the previous checkpoint whole,
-        # and a resumed run's memory-mapped read of the old file stays valid
+        # written aside, flushed to the disk, then renamed: a crash or power loss mid-write
+        # leaves the previous checkpoint whole, and a resumed run's memory-mapped read of the
+        # old file stays valid
         path = self._checkpoint_path()
         tmp = path.with_suffix(".tmp")
         torch.save({"model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
                     "task": self.task.state_dict(), "rngs": rngs, "config": self.plain_cfg}, tmp)
+        sync(tmp)
         tmp.replace(path)
+        sync_entry(path)
         if self.checkpointer is not None:
             self.checkpointer.save_checkpoint({"model": model}, epoch=self.step)
 

@@ -15,6 +15,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from ..durable import sync, sync_entry
 from .hf_checkpoint import (fuse_moe_experts, hf_to_ours, read_hf_state, split_moe_experts,
                             write_hf_state)
 
@@ -71,9 +72,11 @@ class Qwen3HFCheckpointer:
             if src.is_file() and not src.name.startswith("model") and src.suffix in (
                     ".json", ".txt", ".model", ".jinja"):
                 shutil.copy2(src, partial / src.name)
+        sync(partial)  # on the disk before it takes the final name
         if folder.exists():  # this step saved before (a resumed run): the new one replaces it
             folder.rename(replaced)
         partial.rename(folder)
+        sync_entry(folder)
         shutil.rmtree(replaced, ignore_errors=True)
         path = folder / path.name
         log.info("saved %s (%.2f GiB)", path, path.stat().st_size / 2**30)

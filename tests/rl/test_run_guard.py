@@ -191,3 +191,21 @@ def test_preset_builders_name_every_argument_so_a_typo_is_refused():
     assert any(p.startswith("model.num_layerz (x): ") and "did you mean 'num_layers'" in p
                for p in e.value.problems), e.value.problems
     assert len(qwen3_tiny(num_layers=3, vocab_size=16).layers) == 3
+
+
+def test_checkpoints_are_flushed_to_the_disk_before_they_take_their_name(tmp_path, monkeypatch):
+    # torch.save then rename, without an fsync: a power loss just after the rename could leave
+    # checkpoint.pt empty and the previous one gone
+    import os
+
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, type(tmp_path).replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (
+        synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(type(tmp_path), "replace",
+                        lambda self, target: (renamed.append((str(self), len(synced))),
+                                              real_replace(self, target))[1])
+    run(tmp_path, "run", num_steps=1)
+    (tmp, synced_before), = [r for r in renamed if r[0].endswith("checkpoint.tmp")]
+    assert tmp in synced[:synced_before]  # the data, before the rename
+    assert str(tmp_path / "run") in synced[synced_before:]  # the directory entry, after it
