@@ -12,6 +12,7 @@ from .config import DualKVConfig
 from .layout.plan import MicroBatchPlan, micro_batch_rows, plan_micro_batches
 from .optimize import DualKVModel, optimize
 from .layout.packing import PackedBatch, pack
+from .passes._common import Refusal
 from .stats import counters
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "DualKVModel",
     "MicroBatchPlan",
     "PackedBatch",
+    "Refusal",
     "counters",
     "micro_batch_rows",
     "optimize",

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import dualkv_compile as dk
-from dualkv_compile.passes._common import Refusal
+from dualkv_compile import Refusal  # the public name
 from dualkv_compile.testing import (make_batch, row_by_row_response_logprobs,
                                     same_dtype_numerics, tiny_model)
 
