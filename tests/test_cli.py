@@ -77,6 +77,19 @@ def test_inspect_a_config_json(tmp_path, capsys):
     assert "attention_rewritten: 1" in capsys.readouterr().out
 
 
+def test_inspect_a_mixture_of_experts_config_json(tmp_path, capsys):
+    # optimize() refused transformers' default expert implementation, with a fix the CLI user
+    # could not apply; inspect now runs the experts as the grouped op
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 200, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", "--model", str(tmp_path), "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3MoeForCausalLM" in out and "attention_rewritten: 1" in out
+
+
 def _png_size(path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"

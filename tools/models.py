@@ -167,6 +167,11 @@ def build_model(name: str, layers: int | None = None, positions: int | None = No
     if layers is not None:
         cfg.num_hidden_layers = layers
     try:
-        return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     except (ValueError, KeyError) as e:
         raise CliError(f"cannot build a causal LM from {name}: {_short(e)}") from None
+    if any(hasattr(m, "gate_up_proj") for m in model.modules()):  # a mixture of experts
+        from dualkv_compile.models import use_grouped_experts
+
+        use_grouped_experts(model)  # the token-local expert op optimize() takes
+    return model
