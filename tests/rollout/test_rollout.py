@@ -70,8 +70,13 @@ def test_calls_hold_whole_groups_or_even_splits_of_one():
     assert plan_calls(5, 4, None) == [(0, 5, 4)]
     assert plan_calls(5, 4, 8) == [(0, 2, 4), (2, 2, 4), (4, 1, 4)]
     assert plan_calls(5, 4, 9) == [(0, 2, 4), (2, 2, 4), (4, 1, 4)]
-    assert plan_calls(2, 16, 6) == [(0, 1, 6), (0, 1, 6), (0, 1, 4), (1, 1, 6), (1, 1, 6),
-                                    (1, 1, 4)]
+    assert plan_calls(2, 16, 6) == [(0, 1, 6), (0, 1, 5), (0, 1, 5), (1, 1, 6), (1, 1, 5),
+                                    (1, 1, 5)]
+    # as equal as possible: one call shape where the groups allow it (the engine keeps one
+    # workspace), where filling each call first gave 8 + 4 and 4 + 4 + 1
+    assert plan_calls(12, 4, 32) == [(0, 6, 4), (6, 6, 4)]
+    assert plan_calls(9, 4, 16) == [(0, 3, 4), (3, 3, 4), (6, 3, 4)]
+    assert plan_calls(0, 4, 16) == []
     for groups, n, rows in [(3, 16, 6), (4, 8, 20), (1, 7, 1)]:
         calls = plan_calls(groups, n, rows)
         assert all(count * s <= rows for _, count, s in calls)
