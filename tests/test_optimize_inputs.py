@@ -1,0 +1,173 @@
+"""optimize(model) on CPU, fp64: the calling conventions it accepts (transformers' and
+torchtune's arguments, positions, masks) checked against the model run row by row, and the
+models and inputs it refuses by name."""
+
+import pytest
+import torch
+
+import dualkv_compile as dk
+from dualkv_compile.testing import (
+    make_batch,
+    mixed_batch,
+    rel_err,
+    row_by_row_logits,
+    same_dtype_numerics,
+    tiny_model,
+)
+
+TOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters():
+    dk.counters.clear()
+    torch._dynamo.reset()
+
+
+def test_forward_accepts_the_models_own_arguments():
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    tokens, mask, p = mixed_batch()
+    wrapper = dk.optimize(model)
+    out = wrapper(input_ids=tokens, attention_mask=mask.long(), prompt_len=p)
+    ref = row_by_row_logits(model, tokens, mask)
+    assert rel_err(out.logits[0, mask[0]], ref[0]) < TOL
+    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    wrapper(input_ids=tokens, attention_mask=mask, position_ids=positions, prompt_len=p)
+    with pytest.raises(ValueError, match="positions differ"):
+        wrapper(input_ids=tokens, attention_mask=mask, position_ids=positions + 1, prompt_len=p)
+    with pytest.raises(ValueError, match=r"unsupported arguments.*'labels'"):
+        wrapper(input_ids=tokens, labels=tokens, prompt_len=p)
+
+
+def test_unsupported_models_are_named():
+    with pytest.raises(TypeError, match="got torch.nn.modules.linear.Linear"):
+        dk.optimize(torch.nn.Linear(2, 2))
+    import transformers as tf
+
+    cfg = tf.MistralConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           sliding_window=8)
+    model = tf.MistralForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="sliding windows"):
+        dk.optimize(model)
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'.*'eager'"):
+        dk.optimize(model)
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                          "rope_theta": 10000.0})
+    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):  # was a Dynamo traceback
+        dk.optimize(model, dk.DualKVConfig(fallback="dense"))
+
+
+class _ArangePositions(torch.nn.Module):
+    """Adds a signal built from arange over the sequence: positions not fed from the layout."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], dtype=x.dtype)
+        return self.inner(x) + 0.01 * pos[None, :, None]
+
+
+@pytest.mark.parametrize("wrapper,message", [
+    (lambda mlp: _ArangePositions(mlp), r"own sequence axis.*feed packed positions"),
+    (lambda mlp: _PositionMatmul(mlp), r"matmul.*own sequence axis"),
+], ids=["added", "matmul"])
+def test_positions_made_inside_the_model_are_refused(wrapper, message):
+    from dualkv_compile.passes._common import Refusal
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].mlp = wrapper(model.layers[0].mlp)
+    tokens, mask, p = mixed_batch()
+    with pytest.raises(Refusal, match=message):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_attention_dropout_is_refused():
+    from dualkv_compile.passes._common import Refusal
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double().train()
+    for layer in model.layers:
+        layer.attn.attn_dropout = 0.1
+    tokens, mask, p = mixed_batch()
+    with pytest.raises(Refusal, match="dropout_p=0.1"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+class _PositionMatmul(torch.nn.Module):
+    """Rotates each token by a per-position matrix built from arange: positions not fed from
+    the packed layout, in matmul form."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        t, d = x.shape[1], x.shape[2]
+        angle = torch.arange(t, dtype=x.dtype)[:, None, None] * 0.01
+        rot = torch.eye(d, dtype=x.dtype) * torch.cos(angle)  # [T, d, d]
+        return self.inner(torch.matmul(rot, x.unsqueeze(-1)).squeeze(-1))
+
+
+def test_no_response_columns_give_an_empty_result():
+    model = tiny_model("qwen2_5").double()
+    tokens, mask, p = make_batch([5, 3], [[0, 0], [0]], vocab=90,
+                                 generator=torch.Generator().manual_seed(2))
+    assert tokens.shape[1] == p
+    lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert lp.shape == (3, 0) and lp.dtype == torch.float64
+    loss, lp = dk.optimize(model).response_loss(tokens, prompt_len=p, padding_mask=mask,
+                                                token_loss=lambda lp, i: lp)
+    assert lp.shape == (3, 0) and loss.item() == 0 and loss.dtype == torch.float64
+
+
+def test_heads_that_are_not_a_plain_linear_map_are_rejected():
+    from dualkv_compile.models import tiny_decoder
+
+    model = tiny_decoder(vocab_size=12)
+    model.output = torch.nn.Linear(64, 12, bias=True)
+    with pytest.raises(ValueError, match="LM head model.output has a bias"):
+        dk.optimize(model)
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    hf = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    hf.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        dk.optimize(hf)
+
+
+def test_torchtune_mask_and_input_pos_are_accepted():
+    from torchtune.generation import (
+        get_causal_mask_from_padding_mask,
+        get_position_ids_from_padding_mask,
+    )
+
+    model = same_dtype_numerics(tiny_model("llama3_2")).double()
+    tokens, mask, p = mixed_batch()
+    assert not mask[:, -1].all() and mask[:, -1].any()  # the last column is ambiguous in the mask
+    tt_mask = get_causal_mask_from_padding_mask(mask)
+    input_pos = get_position_ids_from_padding_mask(mask)
+    wrapper = dk.optimize(model)
+    logits = wrapper(tokens, mask=tt_mask, input_pos=input_pos, prompt_len=p)
+    ref = wrapper(tokens, padding_mask=mask, prompt_len=p)
+    assert torch.equal(logits, ref)
+    with pytest.raises(ValueError, match="pass input_pos as well"):
+        wrapper(tokens, mask=tt_mask, prompt_len=p)
+    with pytest.raises(ValueError, match="not a causal padding mask"):
+        wrapper(tokens, mask=torch.ones_like(tt_mask), input_pos=input_pos, prompt_len=p)
+    # a row whose one token is in the last column has the mask and positions of padding: it
+    # was refused as having no prompt token; the error now says why and what to pass
+    lone = torch.zeros_like(mask[:1])
+    lone[0, -1] = True
+    with pytest.raises(ValueError, match=r"rows \[0\] of torchtune's mask .* pass padding_mask="):
+        wrapper(tokens[:1], mask=get_causal_mask_from_padding_mask(lone),
+                input_pos=get_position_ids_from_padding_mask(lone), prompt_len=tokens.shape[1])
