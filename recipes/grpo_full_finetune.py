@@ -112,7 +112,9 @@ class GRPORecipe:
             ddp.checkpoint_layers(self.ref_model)
         reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
         ddp.shard_decoder(self.model, reshard_after_forward=reshard)
-        ddp.shard_decoder(self.ref_model, reshard_after_forward=reshard)
+        # the reference runs no backward, which is where FSDP reshards what a forward left
+        # gathered: it always reshards after its forward, or it would stay whole on every rank
+        ddp.shard_decoder(self.ref_model, reshard_after_forward=True)
         dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback,
                                attention_backend=cfg.dualkv.get("attention_backend", "auto"),
                                bucket_growth=float(cfg.dualkv.get("bucket_growth", 1.0)),

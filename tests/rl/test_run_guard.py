@@ -209,3 +209,19 @@ def test_checkpoints_are_flushed_to_the_disk_before_they_take_their_name(tmp_pat
     (tmp, synced_before), = [r for r in renamed if r[0].endswith("checkpoint.tmp")]
     assert tmp in synced[:synced_before]  # the data, before the rename
     assert str(tmp_path / "run") in synced[synced_before:]  # the directory entry, after it
+
+
+def test_the_reference_model_reshards_after_its_forward(tmp_path, monkeypatch):
+    # with fsdp_reshard_after_forward=false the reference, which runs no backward (where FSDP
+    # reshards), stayed gathered on every rank for the whole run
+    module = load_recipe()
+    calls = []
+    monkeypatch.setattr(module.ddp, "shard_decoder",
+                        lambda model, reshard_after_forward: calls.append(reshard_after_forward))
+    cfg = OmegaConf.load(CONFIG)
+    OmegaConf.update(cfg, "output_dir", str(tmp_path / "run"))
+    OmegaConf.update(cfg, "fsdp_reshard_after_forward", False, force_add=True)
+    recipe = module.GRPORecipe(cfg)
+    recipe.setup()
+    recipe.cleanup()
+    assert calls == [False, True]  # the policy as configured, the reference always
