@@ -207,9 +207,12 @@ class GRPORecipe:
         """Rollouts and rewards for this rank's groups; with dynamic sampling, groups whose
         rewards are all equal are dropped and refilled (up to 4 rounds). Every rank runs the
         same rounds (the prompt draw is collective); sharded, one that needs fewer rows, or
-        none, still joins the others' generate() calls (each decode step is a collective)."""
+        none, still joins the others' generate() calls (each decode step is a collective).
+        A rank that kept no group while others did trains on its last round's groups at
+        weight 0 (`filler` True), so that it runs the same collectives."""
         cfg, n = self.cfg, self.cfg.group_size
         kept: list[tuple] = []  # (tokens, mask, lengths, rewards, prompt width) per group
+        dropped: list[tuple] = []  # the last round's groups, the filler of a rank with none
         sampled: list[torch.Tensor] = []  # every round's rewards, dropped groups included
         for _ in range(4 if cfg.dynamic_sampling else 1):
             need = self.groups_per_rank - len(kept)
@@ -228,14 +231,17 @@ class GRPORecipe:
             sampled.append(rewards)
             per_group = rewards.view(need, n)
             keep = groups_with_signal(per_group) if cfg.dynamic_sampling else torch.ones(need, dtype=torch.bool)
-            for g in keep.nonzero()[:, 0].tolist():
+            dropped = []
+            for g in range(need):
                 rows = slice(g * n, (g + 1) * n)
-                kept.append((tokens[rows], mask[rows], lengths[rows], per_group[g],
-                             prompts.shape[1]))
-        if ddp.all_max(0 if kept else 1)[0]:
+                group = (tokens[rows], mask[rows], lengths[rows], per_group[g], prompts.shape[1])
+                (kept if keep[g] else dropped).append(group)
+        if ddp.all_sum(len(kept))[0] == 0:
             raise RuntimeError("dynamic sampling found no group with differing rewards in 4 "
-                               "rounds (on at least one rank); lower the task's difficulty or "
-                               "disable it")
+                               "rounds; lower the task's difficulty or disable it")
+        filler = not kept
+        if filler:  # others kept groups: this rank's last round runs at weight 0
+            kept = dropped
         # prompts of different rounds may differ in width: left-pad to the widest
         p = max(k[4] for k in kept)
         pad = self.tokenizer.pad_id
@@ -243,13 +249,13 @@ class GRPORecipe:
         mask = torch.cat([torch.nn.functional.pad(k[1], (p - k[4], 0), value=False) for k in kept])
         lengths = torch.cat([k[2] for k in kept])
         rewards = torch.stack([k[3] for k in kept])
-        return tokens, mask, lengths, rewards, p, torch.cat(sampled)
+        return tokens, mask, lengths, rewards, p, torch.cat(sampled), filler
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        tokens, mask, lengths, rewards, p, sampled = self._scored_rollouts()
+        tokens, mask, lengths, rewards, p, sampled, filler = self._scored_rollouts()
         advantages = group_advantages(rewards).flatten().to(self.device)
         t_rollout = time.perf_counter()
         resp_mask = mask[:, p:]
@@ -265,9 +271,11 @@ class GRPORecipe:
         batches = dk.micro_batch_rows(mask, prompt_len=p, group_size=cfg.group_size,
                                       groups=cfg.micro_batch_groups,
                                       max_tokens=cfg.get("max_tokens_per_micro_batch"))
-        # normalisers over all ranks; FSDP averages gradients over ranks, so scale back by the
-        # world size to get the gradient of the global loss
-        total_tokens, total_rows = ddp.all_sum(resp_mask.sum(), tokens.shape[0])
+        # normalisers over all ranks (a filler rank's rows excluded); FSDP averages gradients
+        # over ranks, so scale back by the world size to get the gradient of the global loss
+        counted = 0 if filler else 1
+        total_tokens, total_rows = ddp.all_sum(resp_mask.sum() * counted,
+                                               tokens.shape[0] * counted)
         total_tokens = max(total_tokens, 1.0)
         n_micro = int(ddp.all_max(len(batches))[0])
         loss_sum, kl_sum = 0.0, 0.0
@@ -275,7 +283,8 @@ class GRPORecipe:
             # a rank with fewer micro-batches (dynamic sampling, a token budget) repeats its
             # first at weight 0, so that every rank runs the same FSDP collectives
             rows = batches[i] if i < len(batches) else batches[0]
-            if i >= len(batches):
+            real = i < len(batches) and not filler
+            if not real:
                 weight = 0.0
             elif self.loss_fn.aggregation == "token":
                 weight = float(resp_mask[rows].sum()) / total_tokens
@@ -290,7 +299,7 @@ class GRPORecipe:
                                                  temperature=temp)
             loss.backward()
             loss_sum += float(loss.detach()) / self.world_size
-            if i < len(batches):
+            if real:
                 stats = self.loss_fn.stats(lp, old[rows], ref[rows], resp_mask[rows])
                 kl_sum += float(stats["kl"] * resp_mask[rows].sum()) / total_tokens  # token mean
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -302,12 +311,12 @@ class GRPORecipe:
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
         # the sampling policy's mean response-token logprob: a whole forward pass in one number
         # (the step-1 loss is ~0 by construction: ratio 1 and zero-mean advantages per group)
-        logprob_sum = (old * resp_mask).sum() / total_tokens
+        logprob_sum = (old * resp_mask).sum() * counted / total_tokens
         (loss_sum, kl_sum, logprob_sum, reward_sum, n_groups, sampled_sum, n_sampled,
          length_sum, replicated, packed_tokens, flops) = ddp.all_sum(
-            loss_sum, kl_sum, logprob_sum, rewards.sum(), rewards.shape[0], sampled.sum(),
-            sampled.numel(), lengths.sum(), packed.replicated_tokens, packed.num_tokens,
-            policy_update_flops(self.model, packed))
+            loss_sum, kl_sum, logprob_sum, rewards.sum() * counted, rewards.shape[0] * counted,
+            sampled.sum(), sampled.numel(), lengths.sum() * counted, packed.replicated_tokens,
+            packed.num_tokens, policy_update_flops(self.model, packed))
         step_time, rollout_time, update_time, peak = ddp.all_max(
             t_end - t0, t_rollout - t0, t_end - t_rollout, _peak_memory_gib(self.device))
         # reward: over the groups trained on; sampled_reward: over every response sampled

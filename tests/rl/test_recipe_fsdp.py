@@ -153,3 +153,19 @@ def test_dynamic_sampling_ranks_refill_different_amounts(tmp_path):
     # sampled: rank 0 24 rows, 8 rewarded; rank 1 40 rows, 8 rewarded
     assert step["sampled_reward"] == 16 / 64
     assert step["grad_norm"] > 0
+
+
+def test_dynamic_sampling_runs_on_when_one_rank_keeps_no_group(tmp_path):
+    """Rank 1 finds no group with a reward signal in its 4 rounds, rank 0 keeps both of its
+    own. The run stopped with a RuntimeError; now rank 1 trains on its last round's groups at
+    weight 0 and the step is rank 0's groups alone (reward and normalisers over them)."""
+    rows = tune_run(tmp_path / "silent", "num_steps=1", "groups_per_step=4", "group_size=8",
+                    "micro_batch_groups=1", "rollout_batch_rows=8", "dynamic_sampling=true",
+                    "task._component_=tests.rank_dependent_task.RankDependentTask",
+                    "task.group_size=8", "task.plan=rank1_silent", timeout=300)
+    (step,) = rows
+    assert step["reward"] == 0.5  # rank 0's two groups: 0, 1, 0, 1, ...
+    # sampled: rank 0 one round of 16 rows, 8 rewarded; rank 1 four rounds of 16 rows, none
+    assert step["sampled_reward"] == 8 / 80
+    assert step["grad_norm"] > 0
+
