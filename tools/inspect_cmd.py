@@ -16,6 +16,9 @@ from .models import CliError, build_model
 
 __all__ = ["run_inspect"]
 
+# the packed tokens inspect traces at most: its CPU run (the reference attention, the graph
+# passes) grows with the square of a segment's length
+MAX_TOKENS = 65536
 STAGES = {"traced": "graph traced by Dynamo (before the passes)",
           "checkpoint_inline": "after inlining the activation-checkpointed layers",
           "attention_rewrite": "after the attention rewrite",
@@ -43,6 +46,10 @@ def _write(folder: Path, stages, refusal) -> None:
 
 def run_inspect(args, out=print) -> int:
     folder = check_out_path(args.out, folder=True) if args.out else None
+    tokens = args.groups * (args.prompt_len + args.group_size * args.response_len)
+    if tokens > MAX_TOKENS:
+        raise CliError(f"the layout packs {tokens:,} tokens, more than inspect runs on the CPU "
+                       f"({MAX_TOKENS:,}): use fewer or shorter groups")
     model = build_model(args.model, args.layers, positions=args.prompt_len + args.response_len)
     vocab = model.get_output_embeddings().weight.shape[0] if hasattr(
         model, "get_output_embeddings") else model.tok_embeddings.num_embeddings

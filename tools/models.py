@@ -9,6 +9,8 @@ from pathlib import Path
 __all__ = ["CliError", "TINY", "PRESETS", "TINY_MAX_POSITIONS", "model_dims", "build_model"]
 
 TINY = ("qwen2_5", "llama3_2", "hf_qwen3", "hf_llama")
+# the published Qwen3 configs' max_position_embeddings (the presets' context)
+QWEN3_MAX_POSITIONS = 40960
 
 
 
@@ -18,7 +20,8 @@ def _qwen3_presets() -> dict[str, dict]:
     return {f"qwen3-{size}": dict(hidden=d["embed_dim"], layers=d["num_layers"],
                                   heads=d["num_heads"], kv_heads=d["num_kv_heads"],
                                   head_dim=d["head_dim"], ff=d["intermediate_dim"],
-                                  vocab=QWEN3_VOCAB, tied=d["tie_word_embeddings"])
+                                  vocab=QWEN3_VOCAB, tied=d["tie_word_embeddings"],
+                                  max_positions=QWEN3_MAX_POSITIONS)
             for size, d in QWEN3_SIZES.items()}
 
 
@@ -90,7 +93,8 @@ def _hf_dims(cfg: dict, path: Path) -> dict:
                 kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                 ff=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                tied=bool(cfg.get("tie_word_embeddings", False)))
+                tied=bool(cfg.get("tie_word_embeddings", False)),
+                max_positions=cfg.get("max_position_embeddings"))
     # a mixture of experts: Qwen3-MoE's fields (Mixtral's num_local_experts, whose
     # intermediate_size is the expert's)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -117,7 +121,7 @@ def model_dims(name: str) -> dict:
     if name in PRESETS:
         return dict(PRESETS[name])
     if name in TINY:
-        return dict(_TINY_DIMS)
+        return dict(_TINY_DIMS, max_positions=TINY_MAX_POSITIONS)
     path = _hf_config_path(name)
     if path is None:
         raise _unknown(name)
@@ -151,7 +155,8 @@ def build_model(name: str, layers: int | None = None, positions: int | None = No
         cfg = tf.Qwen3Config(vocab_size=d["vocab"], hidden_size=d["hidden"],
                              intermediate_size=d["ff"], num_hidden_layers=d["layers"],
                              num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
-                             head_dim=d["head_dim"], tie_word_embeddings=d["tied"])
+                             head_dim=d["head_dim"], tie_word_embeddings=d["tied"],
+                             max_position_embeddings=d["max_positions"])
     else:
         path = _hf_config_path(name)
         if path is None:

@@ -72,6 +72,10 @@ def run_plan(args, out=print) -> int:
     if gib is not None and not (math.isfinite(gib) and gib > 0):
         raise CliError(f"--gpu-memory {args.gpu_memory}: must be a positive, finite number of GiB")
     d = model_dims(args.model)
+    limit = d.get("max_positions")
+    if limit is not None and args.P + args.R > limit:
+        raise CliError(f"-P {args.P} + -R {args.R} = {args.P + args.R} positions, more than "
+                       f"{args.model}'s maximum of {limit}")
     e = estimate(d, args.N, args.P, args.R, state_bytes=args.state_bytes)
     mlp = (f"{d['experts']} experts of ff={d['ff']}, {d['active']} a token" if "experts" in d
            else f"ff={d['ff']}")

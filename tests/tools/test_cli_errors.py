@@ -186,3 +186,16 @@ def test_benchmark_arguments_are_checked_by_argparse(argv, message, capsys):
         main(["bench", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "qwen3-8b", "-N", "4", "-P", "40000", "-R", "2000"],
+     "-P 40000 + -R 2000 = 42000 positions, more than qwen3-8b's maximum of 40960"),
+    (["inspect", "--model", "qwen2_5", "--groups", "8", "--group-size", "64", "-P", "4096",
+      "-R", "4096"], "the layout packs 2,129,920 tokens, more than inspect runs on the CPU"),
+])
+def test_plan_and_inspect_bound_what_they_take(argv, message, capsys):
+    # plan took any P + R (inspect checked it); inspect took any packed length, whose CPU run
+    # grows with the square of a segment
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
