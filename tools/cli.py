@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from ..attention.registry import KERNELS
+from ._common import positive_int
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
@@ -30,23 +31,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def _layout(sub):
-    sub.add_argument("--groups", type=_positive, default=2, help="prompts (default 2)")
-    sub.add_argument("--group-size", type=_positive, default=2,
+    sub.add_argument("--groups", type=positive_int, default=2, help="prompts (default 2)")
+    sub.add_argument("--group-size", type=positive_int, default=2,
                      help="responses per prompt (default 2)")
-    sub.add_argument("--prompt-len", "-P", type=_positive, default=8,
+    sub.add_argument("--prompt-len", "-P", type=positive_int, default=8,
                      help="prompt tokens (default 8)")
-    sub.add_argument("--response-len", "-R", type=_positive, default=4,
+    sub.add_argument("--response-len", "-R", type=positive_int, default=4,
                      help="response tokens (default 4)")
 
 
@@ -59,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "the graph before and after each pass")
     ins.add_argument("--model", required=True, help=f"{models}, or a config.json path")
     _layout(ins)
-    ins.add_argument("--layers", type=_positive, default=None,
+    ins.add_argument("--layers", type=positive_int, default=None,
                      help="build the model with this many layers (default: as configured)")
     ins.add_argument("--out", default=None, help="write the graphs and an SVG here")
     ins.add_argument("--attention-backend", default="auto",
@@ -71,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _layout(msk)
     msk.add_argument("--ragged", action="store_true",
                      help="random response lengths up to --response-len")
-    msk.add_argument("--pad-to", type=_positive, default=128, help="T multiple (of 128)")
-    msk.add_argument("--scale", type=_positive, default=None, help="pixels per block")
+    msk.add_argument("--pad-to", type=positive_int, default=128, help="T multiple (of 128)")
+    msk.add_argument("--scale", type=positive_int, default=None, help="pixels per block")
     msk.add_argument("--out", required=True, help="PNG file to write")
 
     pln = subs.add_parser("plan", help="predicted savings and memory with and without dualkv")
@@ -82,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("-R", type=int, required=True, help="response tokens")
     pln.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
                      help="GPU memory in GiB: report how many groups fit a micro-batch")
-    pln.add_argument("--state-bytes", type=_positive, default=12,
+    pln.add_argument("--state-bytes", type=positive_int, default=12,
                      help="training-state bytes per parameter (default 12)")
 
     bch = subs.add_parser("bench", help="run a benchmark of the suite (needs CUDA)",

@@ -116,7 +116,8 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     before `prompt_len` are the prompt, B a multiple of `group_size`), each at most
     `max_tokens` packed tokens (except a row that alone exceeds it). Whole groups, first-fit
     decreasing by packed size; groups over the budget are split (their prompt computed once
-    per micro-batch that holds some of their rows, logged). Bad arguments raise ValueError naming the value.
+    per micro-batch that holds some of their rows, logged). Bad arguments raise ValueError
+    naming the value.
 
     Precondition: rows are group-major (rows g*N .. g*N+N-1 share a prompt). Only the mask is
     read, so interleaved groups would be planned with wrong sizes; pass `tokens [B, L]` to
@@ -126,17 +127,17 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     if tokens is not None:
         _check_group_major(tokens, mask, prompt_len, group_size)
     prompts, responses = _group_costs(mask, prompt_len, group_size)
-    items = [(tokens, rows, g, p) for g, (p, rs) in enumerate(zip(prompts, responses))
-             for tokens, rows in _parts(g, p, rs, max_tokens, group_size)]
+    items = [(size, rows, g, p) for g, (p, rs) in enumerate(zip(prompts, responses))
+             for size, rows in _parts(g, p, rs, max_tokens, group_size)]
     bins: list[tuple[int, list[int], set[int]]] = []  # packed tokens, rows, groups
-    for tokens, rows, g, p in sorted(items, key=lambda item: -item[0]):  # first-fit decreasing
+    for size, rows, g, p in sorted(items, key=lambda item: -item[0]):  # first-fit decreasing
         for i, (used, members, groups) in enumerate(bins):
-            cost = tokens - p if g in groups else tokens  # pack() holds a group's prompt once
+            cost = size - p if g in groups else size  # pack() holds a group's prompt once
             if used + cost <= max_tokens:
                 bins[i] = (used + cost, members + rows, groups | {g})
                 break
         else:
-            bins.append((tokens, list(rows), {g}))
+            bins.append((size, list(rows), {g}))
     split = sorted(g for g, n in Counter(g for _, _, groups in bins for g in groups).items()
                    if n > 1)
     if split:
