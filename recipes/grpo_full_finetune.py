@@ -31,8 +31,8 @@ from torchtune import config
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import (group_advantages, groups_with_signal, overlong_penalty,
-                               peak_bf16_tflops, policy_update_flops)
+from dualkv_compile.rl import (group_advantages, overlong_penalty, peak_bf16_tflops,
+                               policy_update_flops, scored_groups)
 from dualkv_compile.durable import sync, sync_entry
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
@@ -204,52 +204,21 @@ class GRPORecipe:
         return prompts[start:start + need], answers[start:start + need]
 
     def _scored_rollouts(self):
-        """Rollouts and rewards for this rank's groups; with dynamic sampling, groups whose
-        rewards are all equal are dropped and refilled (up to 4 rounds). Every rank runs the
-        same rounds (the prompt draw is collective); sharded, one that needs fewer rows, or
-        none, still joins the others' generate() calls (each decode step is a collective).
-        A rank that kept no group while others did trains on its last round's groups at
-        weight 0 (`filler` True), so that it runs the same collectives."""
-        cfg, n = self.cfg, self.cfg.group_size
-        kept: list[tuple] = []  # (tokens, mask, lengths, rewards, prompt width) per group
-        dropped: list[tuple] = []  # the last round's groups, the filler of a rank with none
-        sampled: list[torch.Tensor] = []  # every round's rewards, dropped groups included
-        for _ in range(4 if cfg.dynamic_sampling else 1):
-            need = self.groups_per_rank - len(kept)
-            if ddp.all_max(need)[0] == 0:
-                break
-            prompts, answers = self._sample_prompts(need)
-            if need == 0:
-                self.rollout(torch.zeros(0, 1, dtype=torch.long))
-                continue
-            tokens, mask, lengths = self.rollout(prompts)
-            rewards = self.task.rewards(tokens[:, prompts.shape[1]:],
-                                        [a for a in answers for _ in range(n)])
-            if cfg.get("overlong"):  # rewards live on the CPU
-                rewards = rewards + overlong_penalty(lengths.cpu(), max_len=cfg.overlong.max_len,
-                                                     cache_len=cfg.overlong.cache_len)
-            sampled.append(rewards)
-            per_group = rewards.view(need, n)
-            keep = groups_with_signal(per_group) if cfg.dynamic_sampling else torch.ones(need, dtype=torch.bool)
-            dropped = []
-            for g in range(need):
-                rows = slice(g * n, (g + 1) * n)
-                group = (tokens[rows], mask[rows], lengths[rows], per_group[g], prompts.shape[1])
-                (kept if keep[g] else dropped).append(group)
-        if ddp.all_sum(len(kept))[0] == 0:
-            raise RuntimeError("dynamic sampling found no group with differing rewards in 4 "
-                               "rounds; lower the task's difficulty or disable it")
-        filler = not kept
-        if filler:  # others kept groups: this rank's last round runs at weight 0
-            kept = dropped
-        # prompts of different rounds may differ in width: left-pad to the widest
-        p = max(k[4] for k in kept)
-        pad = self.tokenizer.pad_id
-        tokens = torch.cat([torch.nn.functional.pad(k[0], (p - k[4], 0), value=pad) for k in kept])
-        mask = torch.cat([torch.nn.functional.pad(k[1], (p - k[4], 0), value=False) for k in kept])
-        lengths = torch.cat([k[2] for k in kept])
-        rewards = torch.stack([k[3] for k in kept])
-        return tokens, mask, lengths, rewards, p, torch.cat(sampled), filler
+        """This rank's scored groups (rl.scored_groups: dynamic sampling refills groups whose
+        rewards are all equal; a rank left with none trains on fillers at weight 0)."""
+        cfg = self.cfg
+        return scored_groups(self._sample_prompts, self.rollout, self._score,
+                             groups=self.groups_per_rank, group_size=cfg.group_size,
+                             dynamic_sampling=cfg.dynamic_sampling, pad_id=self.tokenizer.pad_id)
+
+    def _score(self, responses: torch.Tensor, answers: list, lengths: torch.Tensor):
+        """The task's rewards, with DAPO's overlong penalty if configured (on the CPU)."""
+        rewards = self.task.rewards(responses, answers)
+        if self.cfg.get("overlong"):
+            overlong = self.cfg.overlong
+            rewards = rewards + overlong_penalty(lengths.cpu(), max_len=overlong.max_len,
+                                                 cache_len=overlong.cache_len)
+        return rewards
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> dict:

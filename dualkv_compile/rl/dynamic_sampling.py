@@ -1,0 +1,90 @@
+"""The groups a GRPO step trains on: sampled, scored and, with dynamic sampling (DAPO), refilled
+until they are as many as the step asks for and each one's rewards differ (a group whose
+rewards are all equal has zero advantages and teaches nothing).
+
+    batch = scored_groups(draw, rollout, score, groups=8, group_size=16,
+                          dynamic_sampling=True, pad_id=tok.pad_id)
+
+Every call runs the same collectives on every rank of a process group (the recipe's
+multi-rank run): the prompt draw and each rollout. The callbacks say how."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from . import distributed as ddp
+from .losses import groups_with_signal
+
+__all__ = ["ScoredGroups", "scored_groups", "REFILL_ROUNDS"]
+
+REFILL_ROUNDS = 4  # draws of dynamic sampling before a step gives up on finding signal
+
+
+class ScoredGroups(NamedTuple):
+    tokens: Tensor  # [G * N, P + T], rows group-major, prompts left-padded to width P
+    mask: Tensor  # padding mask of tokens' shape
+    lengths: Tensor  # [G * N] response lengths, the stop token counted
+    rewards: Tensor  # [G, N]
+    prompt_len: int  # P
+    sampled: Tensor  # every round's rewards, dropped groups included (the sampled reward)
+    filler: bool  # this rank trains on dropped groups at weight 0 (see scored_groups)
+
+
+def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
+                  rollout: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]],
+                  score: Callable[[Tensor, list, Tensor], Tensor], *, groups: int,
+                  group_size: int, dynamic_sampling: bool, pad_id: int) -> ScoredGroups:
+    """`groups` groups of `group_size` scored responses for this rank.
+
+    draw(need) -> (prompts [need, P] padded with pad_id, answers [need]); every rank calls it
+        in every round, with its own need (possibly 0), so it may gather over ranks.
+    rollout(prompts) -> (tokens, mask, lengths) as rl.rollout_batch returns them; a rank with
+        need 0 still calls it, with prompts of shape [0, 1], to join the others' collectives.
+    score(responses [need * N, T], answers per row, lengths [need * N]) -> rewards [need * N].
+
+    Without dynamic sampling one round is drawn and every group kept. With it, groups whose
+    rewards are all equal are dropped and refilled, up to REFILL_ROUNDS rounds; fewer groups
+    may come back if the rounds run out. A rank that kept no group while another did trains
+    on its last round's groups with `filler` True (the caller weights them 0), so that it runs
+    the same collectives; if no rank kept one, RuntimeError."""
+    n = group_size
+    kept: list[tuple] = []  # (tokens, mask, lengths, rewards, prompt width) per group
+    dropped: list[tuple] = []  # the last round's dropped groups: a filler rank's batch
+    sampled: list[Tensor] = []
+    for _ in range(REFILL_ROUNDS if dynamic_sampling else 1):
+        need = groups - len(kept)
+        if ddp.all_max(need)[0] == 0:
+            break
+        prompts, answers = draw(need)
+        if need == 0:
+            rollout(torch.zeros(0, 1, dtype=torch.long))
+            continue
+        tokens, mask, lengths = rollout(prompts)
+        width = prompts.shape[1]
+        rewards = score(tokens[:, width:], [a for a in answers for _ in range(n)], lengths)
+        sampled.append(rewards)
+        per_group = rewards.view(need, n)
+        keep = (groups_with_signal(per_group) if dynamic_sampling
+                else torch.ones(need, dtype=torch.bool))
+        dropped = []
+        for g in range(need):
+            rows = slice(g * n, (g + 1) * n)
+            group = (tokens[rows], mask[rows], lengths[rows], per_group[g], width)
+            (kept if keep[g] else dropped).append(group)
+    if ddp.all_sum(len(kept))[0] == 0:
+        raise RuntimeError(f"dynamic sampling found no group with differing rewards in "
+                           f"{REFILL_ROUNDS} rounds; lower the task's difficulty or disable it")
+    filler = not kept
+    if filler:
+        kept = dropped
+    # prompts of different rounds may differ in width: left-pad to the widest
+    p = max(k[4] for k in kept)
+    tokens = torch.cat([F.pad(k[0], (p - k[4], 0), value=pad_id) for k in kept])
+    mask = torch.cat([F.pad(k[1], (p - k[4], 0), value=False) for k in kept])
+    return ScoredGroups(tokens, mask, torch.cat([k[2] for k in kept]),
+                        torch.stack([k[3] for k in kept]), p, torch.cat(sampled), filler)

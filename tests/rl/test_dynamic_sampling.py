@@ -1,0 +1,87 @@
+"""rl.scored_groups: the rounds of dynamic sampling, the padding of prompts of different
+widths, and the weight-0 filler of a rank that kept no group."""
+
+import pytest
+import torch
+
+from dualkv_compile.rl import dynamic_sampling
+from dualkv_compile.rl.dynamic_sampling import REFILL_ROUNDS, scored_groups
+
+N, T, PAD = 2, 3, 0
+
+
+class Script:
+    """Rounds of prompts (each [need, width], ids from 1 up) whose rewards are scripted: group
+    g of round r gets rewards[r][g] for its N rows."""
+
+    def __init__(self, widths, rewards):
+        self.widths, self.rewards, self.draws, self.next_id = widths, rewards, [], 1
+
+    def draw(self, need):
+        width = self.widths[len(self.draws)]
+        self.draws.append(need)
+        prompts = torch.arange(self.next_id, self.next_id + need * width).view(need, width)
+        self.next_id += need * width
+        return prompts, [f"answer{len(self.draws)}-{g}" for g in range(need)]
+
+    def rollout(self, prompts):
+        batch = prompts.repeat_interleave(N, 0)
+        response = torch.full((len(batch), T), 99)
+        tokens = torch.cat([batch, response], 1)
+        return tokens, torch.ones_like(tokens, dtype=torch.bool), torch.full((len(batch),), T)
+
+    def score(self, responses, answers, lengths):
+        assert responses.shape[1] == T and len(answers) == len(responses) == len(lengths)
+        r = len(self.draws) - 1
+        return torch.tensor([x for pair in self.rewards[r] for x in pair], dtype=torch.float64)
+
+
+def run(script, groups, dynamic):
+    return scored_groups(script.draw, script.rollout, script.score, groups=groups,
+                         group_size=N, dynamic_sampling=dynamic, pad_id=PAD)
+
+
+def test_one_round_keeps_every_group_without_dynamic_sampling():
+    s = Script([2], [[(1.0, 1.0), (0.0, 1.0)]])
+    out = run(s, 2, False)
+    assert s.draws == [2] and not out.filler and out.prompt_len == 2
+    assert out.rewards.tolist() == [[1.0, 1.0], [0.0, 1.0]]
+    assert out.tokens[:, :2].tolist() == [[1, 2], [1, 2], [3, 4], [3, 4]]
+
+
+def test_rounds_refill_dropped_groups_and_left_pad_narrow_prompts():
+    # round 1 (width 2): group 0 flat, group 1 kept; round 2 (width 3): group 0 kept
+    s = Script([2, 3], [[(1.0, 1.0), (0.0, 1.0)], [(1.0, 0.0)]])
+    out = run(s, 2, True)
+    assert s.draws == [2, 1]
+    assert out.prompt_len == 3 and out.rewards.tolist() == [[0.0, 1.0], [1.0, 0.0]]
+    # the kept round-1 group (prompt 3, 4) is left-padded to width 3; its mask says so
+    assert out.tokens[:2, :3].tolist() == [[PAD, 3, 4]] * 2
+    assert out.mask[:2, 0].tolist() == [False, False] and out.mask[:2, 1:].all()
+    assert out.tokens[2:, :3].tolist() == [[5, 6, 7]] * 2
+    assert out.lengths.tolist() == [T] * 4
+    assert out.sampled.tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]  # dropped groups included
+
+
+def test_rounds_run_out_with_fewer_groups():
+    flat = [(1.0, 1.0)]
+    s = Script([2] * REFILL_ROUNDS, [[(0.0, 1.0)] + flat * 2] + [flat * 2] * (REFILL_ROUNDS - 1))
+    out = run(s, 3, True)
+    assert s.draws == [3] + [2] * (REFILL_ROUNDS - 1)
+    assert out.rewards.shape == (1, N) and not out.filler
+
+
+def test_no_group_with_signal_anywhere_raises():
+    s = Script([2] * REFILL_ROUNDS, [[(1.0, 1.0)]] * REFILL_ROUNDS)
+    with pytest.raises(RuntimeError, match="no group with differing rewards"):
+        run(s, 1, True)
+
+
+def test_rank_without_kept_groups_trains_last_round_as_filler(monkeypatch):
+    # another rank kept groups: the sum over ranks is positive while this rank kept none
+    monkeypatch.setattr(dynamic_sampling.ddp, "all_sum", lambda *x: [v + 1 for v in x])
+    s = Script([2] * REFILL_ROUNDS, [[(1.0, 1.0)]] * (REFILL_ROUNDS - 1) + [[(0.0, 0.0)]])
+    out = run(s, 1, True)
+    assert out.filler and out.rewards.tolist() == [[0.0, 0.0]]
+    first = 1 + 2 * (REFILL_ROUNDS - 1)  # the last round's prompt ids
+    assert out.tokens[0, :2].tolist() == [first, first + 1]
