@@ -21,14 +21,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dualkv_compile.attention.kernel_options import kernel_options_for
 from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR
 from dualkv_compile.stats import counters, log_once
 
-from ._common import REWRITTEN, Refusal, example, op_name, pass_uuid, source_line
+from ._common import REWRITTEN, Refusal, example, pass_uuid, source_line
+from .gqa_fold import erase_unused, fold_gqa_repeat
 
 __all__ = ["MASK_CHECK_MAX_LEN", "rewrite_attention", "find_anchor", "uuid"]
 
@@ -180,111 +180,6 @@ def _check_sdpa(node: fx.Node, args: dict, positions: fx.Node) -> None:
         _check_mask_source(args["attn_mask"], positions, node)
 
 
-def _sizes_equal(a, b) -> bool:
-    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
-
-
-def _inserts_head_axis(node: fx.Node, x: Tensor) -> bool:
-    """`node` is x with a size-1 axis inserted at dim 2 and its values untouched: unsqueeze,
-    a view or reshape to that shape, or indexing with full slices and one None."""
-    out = example(node)
-    b, h, t, d = x.shape
-    if not isinstance(out, Tensor) or not _sizes_equal(out.shape, (b, h, 1, t, d)):
-        return False
-    name = op_name(node)
-    if name in ("unsqueeze", "view", "reshape"):
-        return True
-    if name == "getitem" and isinstance(node.args[1], tuple):
-        full = slice(None, None, None)
-        return all(i is None or i is Ellipsis or i == full for i in node.args[1])
-    return False
-
-
-def _first_arg(node) -> fx.Node | None:
-    """The tensor an op reads first, given positionally (Dynamo keeps keyword calls as written:
-    those are left alone)."""
-    return node.args[0] if isinstance(node, fx.Node) and node.args else None
-
-
-def _unrepeated(node) -> fx.Node | None:
-    """If `node` is a key or value repeated for grouped-query attention, the way transformers'
-    repeat_kv and torchtune write it (x[:, :, None].expand(B, Hkv, r, T, D).reshape(B, Hkv * r,
-    T, D), or unsqueeze(2) ... flatten(1, 2)), return x, whose heads are used by r query heads
-    each; else None."""
-    if not isinstance(node, fx.Node) or op_name(node) not in ("reshape", "view", "flatten"):
-        return None
-    expanded = _first_arg(node)
-    if not isinstance(expanded, fx.Node) or op_name(expanded) != "expand":
-        return None
-    inserted = _first_arg(expanded)
-    source = _first_arg(inserted)
-    if not isinstance(source, fx.Node):
-        return None
-    x, e, out = example(source), example(expanded), example(node)
-    if not all(isinstance(t, Tensor) for t in (x, e, out)) or x.dim() != 4 or e.dim() != 5:
-        return None
-    b, h, t, d = x.shape
-    rep = e.shape[2]
-    if not (isinstance(rep, int) and _inserts_head_axis(inserted, x)
-            and _sizes_equal(e.shape, (b, h, rep, t, d))
-            and _sizes_equal(out.shape, (b, h * rep, t, d))):
-        return None
-    return source
-
-
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
-                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift}
-
-
-def _mutates(node: fx.Node) -> bool:
-    """Conservatively: `node` may write into one of its inputs (x.mul_(), x += y, torch.relu_,
-    F.relu(x, inplace=True), ...)."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        return True
-    name = op_name(node)
-    return name.endswith("_") and not name.startswith("_")
-
-
-def _fold_gqa_repeat(args: dict, sdpa: fx.Node) -> list[fx.Node]:
-    """Feed the attention the un-repeated key and value when both were repeated alike: the
-    kernels index a query head's key/value head themselves (grouped-query attention), so the
-    [T, Hq, D] copies are not written, nor their gradients summed back in the backward.
-    Not when any op between the repeats and the attention may write in place: the copies hold
-    the values from before it. Returns the repeated nodes no longer fed (for _erase_unused)."""
-    k, v = _unrepeated(args["key"]), _unrepeated(args["value"])
-    if k is None or v is None or example(k).shape[1] != example(v).shape[1]:
-        return []
-    # the nodes between the earlier source and the attention, walked back from the attention
-    unseen, node = {k, v}, sdpa.prev
-    while unseen and node.op != "root":
-        if node in unseen:
-            unseen.discard(node)
-        elif _mutates(node):
-            return []
-        node = node.prev
-    repeated = [args["key"], args["value"]]
-    args["key"], args["value"] = k, v
-    counters["gqa_repeats_folded"] += 1
-    return repeated
-
-
-def _erase_unused(nodes: list[fx.Node]) -> None:
-    """Erase each node and then its inputs, as long as nothing else uses them (the repeat
-    chains _fold_gqa_repeat bypassed: pure view and expand ops)."""
-    stack, erased = list(nodes), set()
-    while stack:
-        node = stack.pop()
-        if node not in erased and not node.users and node.op in ("call_method", "call_function"):
-            inputs = node.all_input_nodes
-            node.graph.erase_node(node)
-            erased.add(node)
-            stack.extend(inputs)
-
-
 def _block_mask_tuple(graph: fx.Graph, template: tuple, tables: list, mask_attr: fx.Node):
     tensors = iter(tables)
     out = []
@@ -343,7 +238,7 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
-        repeated = _fold_gqa_repeat(args, node)
+        repeated = fold_gqa_repeat(args, node)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
         if q.device.type == "cuda":
             ok, reason = kernel.cuda_status(q.device, q.shape[-1], q.dtype)
@@ -362,7 +257,7 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
             )
             out = graph.call_function(operator.getitem, (call, 0))
         _replace(node, out)
-        _erase_unused(repeated)
+        erase_unused(repeated)
 
 
 def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_backend,
@@ -378,7 +273,7 @@ def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_back
     for node in sdpa_nodes:
         args = _sdpa_arguments(node)
         _check_sdpa(node, args, positions)
-        repeated = _fold_gqa_repeat(args, node)
+        repeated = fold_gqa_repeat(args, node)
         q, k, v = (example(args[x]) for x in ("query", "key", "value"))
         scale = _scale(args, q)
         options = kernel_options_for(q.device, kernel_options, head_dim=q.shape[-1],
@@ -397,7 +292,7 @@ def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_back
             hop.meta[REWRITTEN] = True  # token_locality trusts only this flex call
             out = graph.call_function(operator.getitem, (hop, 0))
         _replace(node, out)
-        _erase_unused(repeated)
+        erase_unused(repeated)
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> int:

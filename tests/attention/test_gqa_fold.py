@@ -12,7 +12,8 @@ import torch
 import dualkv_compile as dk
 import torch.nn.functional as F
 
-from dualkv_compile.passes.attention_rewrite import _SDPA, _fold_gqa_repeat, _sdpa_arguments, _unrepeated
+from dualkv_compile.passes.attention_rewrite import _SDPA, _sdpa_arguments
+from dualkv_compile.passes.gqa_fold import _unrepeated, fold_gqa_repeat
 from dualkv_compile.testing import make_batch, same_dtype_numerics, tiny_model
 
 B, H, T, D, R = 1, 2, 16, 8, 3
@@ -90,7 +91,7 @@ def test_no_fold_when_an_op_writes_in_place_before_the_attention(write_in_place)
     gm = _dynamo_graph(attend, q, k, v)
     sdpa = next(n for n in gm.graph.nodes if n.target in _SDPA)
     args = _sdpa_arguments(sdpa)
-    repeated = _fold_gqa_repeat(args, sdpa)
+    repeated = fold_gqa_repeat(args, sdpa)
     if write_in_place:  # refused: the attention keeps reading the copies
         assert repeated == [] and _unrepeated(args["key"]) is not None
     else:  # folded: the attention reads the repeats' sources
