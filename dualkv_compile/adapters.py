@@ -14,6 +14,7 @@ __all__ = ["HF_FAMILIES", "adapter_for"]
 # the name of the hook transformers' enable_input_require_grads() registers (a local function;
 # its handles cannot be read inside a traced function)
 _REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
+_TIED_LINEAR = "torchtune.modules.tied_linear.TiedLinear"
 
 
 def _embed_without_require_grads_hook(model, tokens):
@@ -39,10 +40,47 @@ def _embed_without_require_grads_hook(model, tokens):
 
 
 def _check_head(weight_module, name: str) -> None:
+    """response_logprobs applies the head's weight itself (lm_head/), so the head must be a
+    plain linear map: nn.Linear or torchtune's TiedLinear as they are, without a bias."""
+    kind = type(weight_module)
+    if kind is not nn.Linear and f"{kind.__module__}.{kind.__name__}" != _TIED_LINEAR:
+        raise ValueError(f"the LM head {name} is a {kind.__module__}.{kind.__name__}; "
+                         f"response_logprobs applies the head as a plain linear map of its "
+                         f"weight, so it must be an nn.Linear (or torchtune's TiedLinear), "
+                         f"not a subclass or another module")
     bias = getattr(weight_module, "bias", None)
     if bias is not None:
         raise ValueError(f"the LM head {name} has a bias; response_logprobs' chunked head "
                          f"applies weight-only heads (Qwen, Llama)")
+
+
+# final norms the layer region may run outside the traced layers: token-local by construction
+_NORMS = {"torch.nn.modules.normalization.RMSNorm", "torch.nn.modules.normalization.LayerNorm",
+          "torchtune.modules.rms_norm.RMSNorm",
+          "dualkv_compile.testing._RMSNormSameDtype",  # testing.same_dtype_numerics' swap
+          *(f"transformers.models.{family}.modeling_{family}.{prefix}RMSNorm"
+            for family, prefix in (("llama", "Llama"), ("mistral", "Mistral"),
+                                   ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
+                                   ("qwen3_moe", "Qwen3Moe")))}
+
+
+def _check_outside_modules(embedding, norm) -> None:
+    """compile_region="layer" runs the embedding and the final norm eagerly on the packed
+    tokens, outside the token-locality proof: allow only modules that are token-local as
+    written (an nn.Embedding, a known norm class), not subclasses or custom modules."""
+    from dualkv_compile.passes._common import Refusal
+
+    for role, module, allowed in (("embedding", embedding, {"torch.nn.modules.sparse.Embedding"}),
+                                  ("final norm", norm, _NORMS)):
+        cls = type(module)
+        if cls.__name__.startswith("FSDP"):  # fully_shard's class: FSDP<Name>(FSDPModule, Name)
+            cls = next((b for b in cls.__bases__ if b.__name__ != "FSDPModule"), cls)
+        kind = f"{cls.__module__}.{cls.__qualname__}"
+        if kind not in allowed:
+            raise Refusal(f"compile_region='layer' runs the model's {role} outside the traced "
+                          f"layers, where its locality is not proven, and allows only "
+                          f"{sorted(allowed)} there; this model's is {kind}. Use "
+                          f"compile_region='model' (one graph, every op proven)")
 
 
 class _Torchtune:
@@ -81,6 +119,9 @@ class _Torchtune:
 
     def final_norm(self, model, hidden):
         return model.norm(hidden)
+
+    def check_layer_region(self, model):
+        _check_outside_modules(model.tok_embeddings, model.norm)
 
     def head(self, model, hidden):
         return model.output(hidden).float()
@@ -220,6 +261,9 @@ class _HuggingFace:
 
     def final_norm(self, model, hidden):
         return _decoder(model).norm(hidden)
+
+    def check_layer_region(self, model):
+        _check_outside_modules(model.get_input_embeddings(), _decoder(model).norm)
 
 
 def _decoder(model):

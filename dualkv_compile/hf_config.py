@@ -9,6 +9,9 @@ __all__ = ["SEQUENCE_DEPENDENT_ROPE", "rope_types", "sliding_window"]
 # RoPE variants whose frequencies depend on the sequence length (transformers'
 # modeling_rope_utils): dynamic NTK scaling and LongRoPE's short/long factor switch
 SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
+# families whose attention takes the window from layer_types alone (transformers 5: a layer's
+# sliding_window is set only if its type is "sliding_attention"); Mistral reads the config's
+_WINDOW_BY_LAYER_TYPE = ("qwen2", "qwen3", "qwen3_moe")
 
 
 def _field(cfg, key: str, default=None):
@@ -31,7 +34,11 @@ def sliding_window(cfg) -> str | None:
     or None where every layer has full causal attention."""
     kinds = sorted(set(_field(cfg, "layer_types") or []))
     window = _field(cfg, "sliding_window")
-    uses = _field(cfg, "use_sliding_window", window is not None)
-    if set(kinds) - {"full_attention"} or (window and uses):
+    if set(kinds) - {"full_attention"}:
         return f"layer_types={kinds}, sliding_window={window}"
+    if kinds and _field(cfg, "model_type") in _WINDOW_BY_LAYER_TYPE:
+        return None  # every layer full: its attention reads the window only on sliding layers
+    uses = _field(cfg, "use_sliding_window", window is not None)
+    if window and uses:
+        return f"use_sliding_window={uses}, sliding_window={window}"
     return None

@@ -66,6 +66,10 @@ def _traced_layer(wrapper: "DualKVModel", layer: nn.Module, hidden: Tensor, posi
 
 
 def _unwrap_refusal(exc: BaseException):
+    """The Refusal behind `exc`, or one for a model Dynamo cannot trace as one graph (a
+    data-dependent branch, say: the packed run needs fullgraph), or None."""
+    from torch._dynamo.exc import Unsupported
+
     from dualkv_compile.passes._common import Refusal
 
     seen = set()
@@ -73,6 +77,10 @@ def _unwrap_refusal(exc: BaseException):
         seen.add(id(exc))
         if isinstance(exc, Refusal):
             return exc
+        if isinstance(exc, Unsupported):
+            why = "\n".join(str(exc).strip().splitlines()[:4])
+            return Refusal(f"torch.compile cannot trace the model as one graph, which the "
+                           f"packed run needs: {why}")
         exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
     return None
 
@@ -133,6 +141,7 @@ class DualKVModel(nn.Module):
             from .fsdp import check_fsdp_layout
 
             check_fsdp_layout(self.model, self._adapter.layers(self.model))
+            self._adapter.check_layer_region(self.model)
             self._layout_checked = True
         return region
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 from pathlib import Path
 
 import torch.fx as fx
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["REWRITTEN", "Refusal", "example", "op_name", "source_line", "pass_uuid"]
+__all__ = ["REWRITTEN", "Refusal", "eliminate_dead_code", "example", "may_write", "op_name",
+           "source_line", "pass_uuid"]
 
 
 class Refusal(Exception):
@@ -33,6 +37,70 @@ def op_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return node.target
     return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
+
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift}
+
+
+def may_write(node: fx.Node) -> bool:
+    """Conservatively: `node` may write into one of its inputs or into an `out=` tensor
+    (x.mul_(), x += y, torch.relu_, F.relu(x, inplace=True), torch._foreach_copy_, ...)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True \
+            or "out" in node.kwargs:
+        return True
+    name = op_name(node)
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _storage(node) -> int | None:
+    """An id of the memory the fake value of `node` lives in (views share it), or None."""
+    value = example(node)
+    if not isinstance(value, Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage()).cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def eliminate_dead_code(graph: fx.Graph) -> int:
+    """Erase the ops nothing depends on; returns how many. FX's own eliminate_dead_code takes
+    every call_method, and in-place functions such as torch.relu_, as pure, so `y.mul_(2)`
+    written as a statement would vanish. Here an op that writes in place (may_write) is kept
+    when its memory (fake storage, shared by views) is read by a kept op or is an input's, or
+    when that memory is unknown; writes into memory no kept op reads (the model's own mask
+    code, which the attention rewrite made dead) go with the rest."""
+    nodes = list(graph.nodes)
+    writes: dict[int | None, list[fx.Node]] = {}
+    for node in nodes:
+        if may_write(node):
+            target = node.kwargs.get("out", node.args[0] if node.args else None)
+            writes.setdefault(_storage(target), []).append(node)
+    inputs = {_storage(n) for n in nodes if n.op in ("placeholder", "get_attr")}
+    stack = [n for n in nodes if n.op in ("placeholder", "output") or n.is_impure()]
+    stack += [w for memory, ws in writes.items() if memory is None or memory in inputs
+              for w in ws]
+    live: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in live:
+            continue
+        live.add(node)
+        for arg in node.all_input_nodes:
+            stack.append(arg)
+            stack += writes.get(_storage(arg), []) if _storage(arg) is not None else []
+    erased = 0
+    for node in reversed(nodes):
+        if node not in live and node.op in ("call_function", "call_method", "call_module",
+                                            "get_attr"):
+            graph.erase_node(node)
+            erased += 1
+    return erased
 
 
 def source_line(node: fx.Node) -> str:

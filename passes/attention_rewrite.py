@@ -27,7 +27,7 @@ from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR
 from dualkv_compile.stats import counters, log_once
 
-from ._common import REWRITTEN, Refusal, example, pass_uuid, source_line
+from ._common import REWRITTEN, Refusal, eliminate_dead_code, example, pass_uuid, source_line
 from .gqa_fold import erase_unused, fold_gqa_repeat
 
 __all__ = ["MASK_CHECK_MAX_LEN", "rewrite_attention", "find_anchor", "uuid"]
@@ -213,7 +213,7 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
     # The anchor's output is unused; its inputs now feed the attention nodes directly.
     anchor.replace_all_uses_with(tokens)
     graph.erase_node(anchor)
-    removed = _eliminate_dead_code(graph)
+    removed = eliminate_dead_code(graph)
     counters["mask_nodes_removed"] += removed
     return len(sdpa_nodes)
 
@@ -255,6 +255,7 @@ def _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,
                 (args["query"], args["key"], args["value"], segment_ids, prefix_segment_ids,
                  _scale(args, q)),
             )
+            call.meta["stack_trace"] = node.meta.get("stack_trace")  # refusals name the SDPA's line
             out = graph.call_function(operator.getitem, (call, 0))
         _replace(node, out)
         erase_unused(repeated)
@@ -290,12 +291,7 @@ def _to_flex(gm, sdpa_nodes, positions, template, kernel_options, attention_back
                  options, (), (visible_until,)),
             )
             hop.meta[REWRITTEN] = True  # token_locality trusts only this flex call
+            hop.meta["stack_trace"] = node.meta.get("stack_trace")  # refusals name the SDPA's line
             out = graph.call_function(operator.getitem, (hop, 0))
         _replace(node, out)
         erase_unused(repeated)
-
-
-def _eliminate_dead_code(graph: fx.Graph) -> int:
-    before = len(graph.nodes)
-    graph.eliminate_dead_code()
-    return before - len(graph.nodes)

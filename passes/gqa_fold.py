@@ -5,15 +5,13 @@ head themselves)."""
 
 from __future__ import annotations
 
-import operator
-
 import torch.fx as fx
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dualkv_compile.stats import counters
 
-from ._common import example, op_name
+from ._common import example, may_write, op_name
 
 __all__ = ["fold_gqa_repeat", "erase_unused"]
 
@@ -70,23 +68,6 @@ def _unrepeated(node) -> fx.Node | None:
     return source
 
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
-                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift}
-
-
-def _mutates(node: fx.Node) -> bool:
-    """Conservatively: `node` may write into one of its inputs (x.mul_(), x += y, torch.relu_,
-    F.relu(x, inplace=True), ...)."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        return True
-    name = op_name(node)
-    return name.endswith("_") and not name.startswith("_")
-
-
 def fold_gqa_repeat(args: dict, sdpa: fx.Node) -> list[fx.Node]:
     """Feed the attention the un-repeated key and value when both were repeated alike: the
     kernels index a query head's key/value head themselves (grouped-query attention), so the
@@ -101,7 +82,7 @@ def fold_gqa_repeat(args: dict, sdpa: fx.Node) -> list[fx.Node]:
     while unseen and node.op != "root":
         if node in unseen:
             unseen.discard(node)
-        elif _mutates(node):
+        elif may_write(node):
             return []
         node = node.prev
     repeated = [args["key"], args["value"]]

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, example, op_name, pass_uuid, source_line
+from ._common import Refusal, eliminate_dead_code, example, op_name, pass_uuid, source_line
 
 __all__ = ["prune_lm_head", "uuid"]
 
@@ -38,11 +38,16 @@ def prune_lm_head(graph: fx.Graph, vocab_size: int) -> fx.Node:
     if not isinstance(weight, Tensor) or weight.shape[0] != vocab_size:
         raise Refusal(f"the last linear at {source_line(node)} does not map to the vocabulary "
                       f"({vocab_size} entries)")
+    weight_node = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
+    if not (isinstance(weight_node, fx.Node) and weight_node.op in ("placeholder", "get_attr")):
+        raise Refusal(f"the LM head at {source_line(node)} computes its weight "
+                      f"({getattr(weight_node, 'name', weight_node)}) from the parameter; "
+                      f"response_logprobs applies the weight parameter as it is")
     hidden = node.args[0]
     if isinstance(outputs, (tuple, list)):
         out_node.args = (type(outputs)([hidden, *outputs[1:]]),)
     else:
         out_node.args = (hidden,)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     counters["lm_head_pruned"] += 1
     return hidden

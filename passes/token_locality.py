@@ -34,7 +34,7 @@ _POINTWISE = {
     "add", "sub", "mul", "truediv", "div", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",
     "log", "sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "softplus", "abs", "float",
     "half", "bfloat16", "double", "to", "type_as", "type", "contiguous", "clone", "detach",
-    "dropout", "where", "masked_fill", "clamp", "maximum", "minimum", "eq", "ne", "le", "lt",
+    "where", "masked_fill", "clamp", "maximum", "minimum", "eq", "ne", "le", "lt",
     "ge", "gt", "and_", "or_", "invert", "logical_and", "logical_or", "logical_not",
     "reciprocal", "square", "erf", "iadd", "imul", "isub", "add_", "mul_", "sub_", "div_",
     "__and__", "__or__", "__invert__", "lerp", "tanh_", "sigmoid_", "gelu_", "relu_",
@@ -108,6 +108,18 @@ class _Proof(IndexingRules):
                                       f"{v.shape[d]} (e.g. positions from arange); feed packed "
                                       f"positions instead")
         return found
+
+    def dropout(self, node, out):
+        """Dropout in training draws one mask per packed element: the N rows of a group would
+        share their prompt's mask, where the plain model draws one per row (correlated rows,
+        not the same computation). Only inactive dropout (eval, or p = 0) passes."""
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        if training is not False and p != 0:
+            self.refuse(node, f"dropout (p={p}) in training draws one mask per packed token, "
+                              f"which the N rows sharing a prompt would share; call model.eval()"
+                              f" or set the dropout to 0 for the policy update")
+        return self.pointwise(node, out)
 
     def inner_of(self, x) -> int:
         return self.inner.get(x, 1) if isinstance(x, fx.Node) else 1
@@ -231,6 +243,22 @@ class _Proof(IndexingRules):
             self.refuse(node, "token data reaches its weight arguments")
         return 0
 
+    def attention(self, node):
+        """The rewritten attention reads query, key and value by packed index: each must be
+        token data with the tokens on axis 2 ([1, H, T, D]), one index a token (a key made from
+        a position table, say, would be read as if it were one). Returns the axes of (out
+        [1, H, T, D], logsumexp [1, H, T])."""
+        qkv = node.args[:3]
+        for role, arg in zip(("query", "key", "value"), qkv):
+            if self.tok(arg) != 2 or self.inner_of(arg) != 1:
+                self.refuse(node, f"its {role} ({getattr(arg, 'name', arg)}) is not the packed "
+                                  f"tokens' data on axis 2, one index a token")
+        extra = [a for a in node.all_input_nodes if a not in qkv and self.tok(a) is not None]
+        if extra:
+            self.refuse(node, f"token data reaches it outside query, key and value "
+                              f"({', '.join(a.name for a in extra)})")
+        return [2, 2]
+
     # ---- driver ----------------------------------------------------------------------------
     def visit(self, node: fx.Node):
         if node.op in ("placeholder", "get_attr", "output"):
@@ -247,7 +275,7 @@ class _Proof(IndexingRules):
         inp = example(first) if isinstance(first, fx.Node) else None
         ax = self.tok(first)
         if _is_attention(node):
-            return [2, 2]  # (out [1, H, T, D], logsumexp [1, H, T])
+            return self.attention(node)
         if name == "flex_attention":
             self.refuse(node, "the model calls flex_attention itself, over the whole packed "
                               "sequence with its own mask; only SDPA attention is rewritten to "
@@ -272,6 +300,8 @@ class _Proof(IndexingRules):
             self.refuse(node, "no rule for this multi-output op")
         if name in _POINTWISE:
             return self.pointwise(node, out)
+        if name in ("dropout", "alpha_dropout", "feature_alpha_dropout"):
+            return self.dropout(node, out)
         if name in ("cat", "stack", "concat", "concatenate"):
             return self.cat(node, out)
         if name in _MATMUL:

@@ -50,6 +50,13 @@ def test_unsupported_models_are_named():
     model = tf.MistralForCausalLM._from_config(cfg, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="sliding windows"):
         dk.optimize(model)
+    # Qwen3 with the window switched on but no layer past max_window_layers: every layer is
+    # full attention (layer_types), which optimize() takes
+    cfg = tf.Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, head_dim=8,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    assert cfg.layer_types == ["full_attention"] * 2
+    dk.optimize(tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa"))
     cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")

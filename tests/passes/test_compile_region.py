@@ -85,3 +85,56 @@ def test_layer_region_refuses_hooked_layers():
 def test_compile_region_is_validated():
     with pytest.raises(ValueError, match="compile_region='layers'"):
         dk.DualKVConfig(compile_region="layers")
+
+
+class _PositionalEmbedding(torch.nn.Embedding):
+    """An embedding that adds a learned table by packed index: not token-local."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.positions = torch.nn.Parameter(torch.randn(1024, self.embedding_dim))
+
+    def forward(self, tokens):
+        return super().forward(tokens) + self.positions[:tokens.shape[1]][None]
+
+
+class _CumsumNorm(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x + 0.05 * x.cumsum(1))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "hf_qwen3"])
+@pytest.mark.parametrize("part", ["embedding", "final norm"])
+def test_layer_region_refuses_custom_modules_outside_the_layers(family, part):
+    # the layer region runs these eagerly, outside the proof; compile_region="model" traces
+    # and refuses the same code by its op
+    model = tiny_model(family)
+    hf = hasattr(model, "get_decoder")
+    if part == "embedding":
+        old = model.get_input_embeddings() if hf else model.tok_embeddings
+        new = _PositionalEmbedding(old.num_embeddings, old.embedding_dim)
+        model.set_input_embeddings(new) if hf else setattr(model, "tok_embeddings", new)
+    else:
+        owner = model.get_decoder() if hf else model
+        owner.norm = _CumsumNorm(owner.norm)
+    tokens, mask, p = mixed_batch()
+    for region, match in (("layer", f"runs the model's {part} outside"), ("model", "token-local")):
+        wrapper = dk.optimize(model, dk.DualKVConfig(compile_region=region))
+        with pytest.raises(dk.Refusal, match=match):
+            wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_an_lm_head_that_is_not_a_plain_linear_is_refused():
+    class Scaled(torch.nn.Linear):
+        def forward(self, h):
+            return super().forward(h) * 0.25
+
+    model = tiny_model("qwen2_5")
+    emb = model.tok_embeddings
+    model.output = Scaled(emb.embedding_dim, emb.num_embeddings, bias=False)
+    with pytest.raises(ValueError, match="must be an nn.Linear"):
+        dk.optimize(model)

@@ -1,14 +1,17 @@
 """Token-mixing code the locality proof must refuse (each case once returned wrong logprobs
 without a refusal): tensor attributes that transpose, writes into buffers, a 1-D token operand
 contracted by matmul, reductions whose positional arguments are not (dim, keepdim), boolean
-masks over several dims, an empty dim list, and keepdims=True."""
+masks over several dims, an empty dim list, keepdims=True, writes through _foreach_ ops and
+out=, dropout in training, attention keys that are not token data; and in-place statements,
+which the dead-code pass once erased, kept and exact."""
 
 import pytest
 import torch
 
 import dualkv_compile as dk
 from dualkv_compile.passes._common import Refusal
-from dualkv_compile.testing import make_batch, same_dtype_numerics, tiny_model
+from dualkv_compile.testing import (make_batch, row_by_row_response_logprobs,
+                                    same_dtype_numerics, tiny_model)
 
 
 class _Wrap(torch.nn.Module):
@@ -73,3 +76,112 @@ def test_token_mixing_is_refused(mix):
                                  generator=torch.Generator().manual_seed(0))
     with pytest.raises(Refusal, match="token-local"):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def _mul_statement(x):  # an in-place op whose result is unused: once erased as dead code
+    y = x * 1.0
+    y.mul_(2.0)
+    return y
+
+
+def _relu_statement(x):
+    y = x.clone()
+    torch.relu_(y)
+    return y
+
+
+def _view_statement(x):  # written through a view: the write lands in y
+    y = x.clone()
+    y[..., :4].mul_(3.0)
+    return y
+
+
+def _mixed_model(mix):
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].mlp = _Wrap(model.layers[0].mlp, mix)
+    tokens, mask, p = make_batch([7, 3], [[4, 2], [3]], vocab=90,
+                                 generator=torch.Generator().manual_seed(0))
+    return model, tokens, mask, p
+
+
+@pytest.mark.parametrize("mix", [_mul_statement, _relu_statement, _view_statement],
+                         ids=lambda f: f.__name__.lstrip("_"))
+def test_in_place_statements_are_kept(mix):
+    model, tokens, mask, p = _mixed_model(mix)
+    weights = torch.randn(tokens.shape[0], tokens.shape[1] - p, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    (ours * weights).sum().backward()
+    got = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    (theirs * weights).sum().backward()
+    assert (ours - theirs).abs().max() < 1e-10
+    for a, q in zip(got, model.parameters()):
+        assert (a - q.grad).abs().max() < 1e-10
+
+
+def _foreach_write(x):
+    buf = torch.zeros_like(x)
+    torch._foreach_copy_([buf], [x])
+    return buf
+
+
+def _out_write(x):
+    buf = torch.zeros_like(x)
+    torch.add(x, 0, out=buf)
+    return buf
+
+
+def _dropout_in_training(x):
+    return torch.nn.functional.dropout(x, 0.1, training=True)
+
+
+@pytest.mark.parametrize("mix,match", [(_foreach_write, "token-local"),
+                                       (_out_write, "token-local"),
+                                       (_dropout_in_training, "share")],
+                         ids=["foreach_copy", "out_kwarg", "dropout"])
+def test_writes_and_training_dropout_are_refused(mix, match):
+    model, tokens, mask, p = _mixed_model(mix)
+    with torch.no_grad(), pytest.raises(Refusal, match=match):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+class _KeysFromTable(torch.nn.Module):
+    """torchtune attention whose keys come from a table indexed by [0, T): a per-position
+    constant the packed layout would read by packed index."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn, self.cache_enabled, self.kv_cache = attn, False, None
+        self.table = torch.nn.Parameter(torch.randn(512, attn.head_dim, dtype=torch.float64))
+
+    def forward(self, x, y=None, *, mask=None, input_pos=None, **kwargs):
+        a, (b, s, _) = self.attn, x.shape
+        q = a.pos_embeddings(a.q_proj(x).view(b, s, a.num_heads, a.head_dim),
+                             input_pos=input_pos).transpose(1, 2)
+        v = a.v_proj(x).view(b, s, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        k = self.table[:s].expand(b, a.num_kv_heads, s, a.head_dim)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                             enable_gqa=True)
+        return a.output_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_attention_operands_must_be_token_data():
+    model, tokens, mask, p = _mixed_model(lambda x: x)
+    model.layers[0].attn = _KeysFromTable(model.layers[0].attn)
+    with pytest.raises(Refusal, match="its key .* is not the packed tokens' data"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_a_data_dependent_branch_falls_back_with_its_reason():
+    def branch(x):
+        return x * 2 if x.sum() > 0 else x
+
+    model, tokens, mask, p = _mixed_model(branch)
+    with pytest.raises(Refusal, match="cannot trace the model as one graph"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    wrapped = dk.optimize(model, dk.DualKVConfig(fallback="dense"))
+    ours = wrapped.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert "one graph" in wrapped.dense_reason
+    assert (ours - row_by_row_response_logprobs(model, tokens, mask, p)).abs().max() < 1e-10
