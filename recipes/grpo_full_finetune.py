@@ -40,6 +40,7 @@ from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, p
 from dualkv_compile.rl.run_guard import (RunLock, StopOnSignal, apply_config_changes,
                                          prepare_output_dir)
 from dualkv_compile.rl.rollout_batch import rollout_batch
+from dualkv_compile.rl.update import optimizer_step
 from dualkv_compile.rollout import RolloutEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -53,7 +54,8 @@ class GRPORecipe:
         self.device = ddp.init_distributed(cfg.device)
         self.rank, self.world_size = ddp.world()
         problem = split_problem(cfg.groups_per_step, self.world_size, cfg.micro_batch_groups,
-                                by_groups=cfg.get("max_tokens_per_micro_batch") is None)
+                                by_groups=cfg.get("max_tokens_per_micro_batch") is None,
+                                updates=cfg.get("updates_per_step", 1))
         if problem:  # (the config check says so first under `tune run`)
             raise ConfigError([f"groups_per_step={cfg.groups_per_step} {problem}"])
         self.groups_per_rank = cfg.groups_per_step // self.world_size
@@ -225,79 +227,66 @@ class GRPORecipe:
         cfg = self.cfg
         t0 = time.perf_counter()
         tokens, mask, lengths, rewards, p, sampled, filler = self._scored_rollouts()
-        advantages = group_advantages(rewards).flatten().to(self.device)
+        if cfg.get("rollout_release_cache"):  # its memory goes to the update; recaptured next step
+            self.rollout_engine.release()
+        rollout_peak = _peak_memory_gib(self.device, reset=True)
+        # in float64 (rewards come as float32), then the logprobs' dtype
+        advantages = group_advantages(rewards.double()).flatten().to(
+            self.device, torch.promote_types(torch.float32, self.dtype))
         t_rollout = time.perf_counter()
         resp_mask = mask[:, p:]
-        temp = cfg.temperature  # logprobs of the distribution that sampled (top-k aside)
+        # logprobs of softmax(logits / T), the sampling distribution before top-k / top-p
+        temp = cfg.temperature
         with torch.no_grad():
             old = self.policy.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
                                                 temperature=temp)
             ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
                                                    temperature=temp)
-        # row selections: whole groups (micro_batch_groups) or a packed-token budget; rows are
-        # group-major by construction (rollout()), so tokens are not passed for the check, a
-        # host sync a step
-        batches = dk.micro_batch_rows(mask, prompt_len=p, group_size=cfg.group_size,
-                                      groups=cfg.micro_batch_groups,
-                                      max_tokens=cfg.get("max_tokens_per_micro_batch"))
-        # normalisers over all ranks (a filler rank's rows excluded); FSDP averages gradients
-        # over ranks, so scale back by the world size to get the gradient of the global loss
-        counted = 0 if filler else 1
-        total_tokens, total_rows = ddp.all_sum(resp_mask.sum() * counted,
-                                               tokens.shape[0] * counted)
-        total_tokens = max(total_tokens, 1.0)
-        n_micro = int(ddp.all_max(len(batches))[0])
-        loss_sum, kl_sum = 0.0, 0.0
-        for i in range(n_micro):
-            # a rank with fewer micro-batches (dynamic sampling, a token budget) repeats its
-            # first at weight 0, so that every rank runs the same FSDP collectives
-            rows = batches[i] if i < len(batches) else batches[0]
-            real = i < len(batches) and not filler
-            if not real:
-                weight = 0.0
-            elif self.loss_fn.aggregation == "token":
-                weight = float(resp_mask[rows].sum()) / total_tokens
-            else:
-                weight = resp_mask[rows].shape[0] / total_rows
-            # the micro-batch's loss times its weight (and the world size) as a per-token loss:
-            # the LM head computes its gradients in the forward pass (response_loss)
-            token_loss = self.loss_fn.token_loss(old[rows], ref[rows], advantages[rows],
-                                                 resp_mask[rows], scale=weight * self.world_size)
-            loss, lp = self.policy.response_loss(tokens[rows], prompt_len=p,
-                                                 padding_mask=mask[rows], token_loss=token_loss,
-                                                 temperature=temp)
-            loss.backward()
-            loss_sum += float(loss.detach()) / self.world_size
-            if real:
-                stats = self.loss_fn.stats(lp, old[rows], ref[rows], resp_mask[rows])
-                kl_sum += float(stats["kl"] * resp_mask[rows].sum()) / total_tokens  # token mean
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        counted = 0 if filler else 1  # a filler rank's rows count in no normaliser or metric
+        groups, n, updates = rewards.shape[0], cfg.group_size, cfg.get("updates_per_step", 1)
+        sums = [0.0, 0.0, 0.0, 0.0]  # loss, kl, clip_fraction, grad_norm over the updates
+        for u in range(updates):
+            # the groups in `updates` consecutive mini-batches, an optimizer step each (DAPO's
+            # and veRL's mini-batches): `old` stays the sampling policy's, so from the second
+            # on the ratio leaves 1 and the clipping bounds it. A rank with fewer groups than
+            # updates runs its first group at weight 0 where it has none.
+            lo, hi = groups * u // updates, groups * (u + 1) // updates
+            rows = slice(lo * n, hi * n) if hi > lo else slice(0, n)
+            stats = optimizer_step(
+                self.policy, self.loss_fn, self.optimizer, tokens[rows], mask[rows], p,
+                old[rows], ref[rows], advantages[rows], group_size=n, temperature=temp,
+                micro_batch_groups=cfg.micro_batch_groups, max_grad_norm=cfg.max_grad_norm,
+                max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and hi > lo))
+            sums = [a + b / updates for a, b in zip(sums, stats)]
+        loss_sum, kl_sum, clip_sum, grad_norm = sums
         t_end = time.perf_counter()
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
         # the sampling policy's mean response-token logprob: a whole forward pass in one number
-        # (the step-1 loss is ~0 by construction: ratio 1 and zero-mean advantages per group)
-        logprob_sum = (old * resp_mask).sum() * counted / total_tokens
-        (loss_sum, kl_sum, logprob_sum, reward_sum, n_groups, sampled_sum, n_sampled,
-         length_sum, replicated, packed_tokens, flops) = ddp.all_sum(
-            loss_sum, kl_sum, logprob_sum, rewards.sum() * counted, rewards.shape[0] * counted,
+        # (with sequence aggregation the step-1 loss is ~0 by construction: ratio 1 and
+        # zero-mean advantages per group; token aggregation weighs longer responses more)
+        (loss_sum, kl_sum, clip_sum, logprob_sum, total_tokens, reward_sum, n_groups,
+         sampled_sum, n_sampled, length_sum, replicated, packed_tokens, flops) = ddp.all_sum(
+            loss_sum, kl_sum, clip_sum, (old * resp_mask).sum() * counted,
+            resp_mask.sum() * counted, rewards.sum() * counted, rewards.shape[0] * counted,
             sampled.sum(), sampled.numel(), lengths.sum() * counted, packed.replicated_tokens,
             packed.num_tokens, policy_update_flops(self.model, packed))
-        step_time, rollout_time, update_time, peak = ddp.all_max(
-            t_end - t0, t_rollout - t0, t_end - t_rollout, _peak_memory_gib(self.device))
+        step_time, rollout_time, update_time, rollout_peak, update_peak = ddp.all_max(
+            t_end - t0, t_rollout - t0, t_end - t_rollout, rollout_peak,
+            _peak_memory_gib(self.device, reset=True))
+        peaks = {"peak_memory_gib": max(rollout_peak, update_peak)}
+        if self.device.type == "cuda":  # on the CPU both read the process's peak RSS
+            peaks.update(rollout_peak_memory_gib=rollout_peak, update_peak_memory_gib=update_peak)
         # reward: over the groups trained on; sampled_reward: over every response sampled
         # (they differ only with dynamic sampling, which drops groups whose rewards are equal)
         return {"reward": reward_sum / (n_groups * cfg.group_size),
                 "sampled_reward": sampled_sum / max(n_sampled, 1), "loss": loss_sum,
-                "kl": kl_sum, "grad_norm": float(grad_norm), "response_logprob": logprob_sum,
-                "response_length": length_sum / total_rows,
+                "kl": kl_sum, "clip_fraction": clip_sum, "grad_norm": grad_norm,
+                "response_logprob": logprob_sum / max(total_tokens, 1.0),
+                "response_length": length_sum / (n_groups * cfg.group_size),
                 "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,
                 "step_time_s": step_time, "rollout_s": rollout_time,
                 "policy_update_s": update_time,
-                "peak_memory_gib": peak, "compiles": float(dk.counters["graphs_compiled"]),
+                **peaks, "compiles": float(dk.counters["graphs_compiled"]),
                 **self._mfu(flops, update_time)}
 
     def _mfu(self, flops: float, seconds: float) -> dict:
@@ -353,9 +342,14 @@ class GRPORecipe:
             torch.distributed.destroy_process_group()
 
 
-def _peak_memory_gib(device: torch.device) -> float:
+def _peak_memory_gib(device: torch.device, reset: bool = False) -> float:
+    """The CUDA allocator's peak since the last reset (reset=True starts a new one), or the
+    process's peak RSS on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 

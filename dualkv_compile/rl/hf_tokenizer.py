@@ -37,17 +37,17 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         """The text up to the first stop token, without the padding: the leading and trailing
         runs of pad_id (the rollout's rule, rollout.prompt_mask_of); a pad_id inside the text
-        is kept."""
+        is kept. The leading run goes first: the pad id is often a stop id (pad = eos when the
+        tokenizer has no pad token; Qwen3's pad is in its eos list)."""
         ids = [int(i) for i in ids]
-        stops = [at for at, i in enumerate(ids) if i in self.stop_tokens]
-        if stops:
-            ids = ids[: stops[0]]
-        start, end = 0, len(ids)
-        while start < end and ids[start] == self.pad_id:
+        start = 0
+        while start < len(ids) and ids[start] == self.pad_id:
             start += 1
-        while end > start and ids[end - 1] == self.pad_id:
-            end -= 1
-        return self._tok.decode(ids[start:end], skip_special_tokens=True)
+        ids = ids[start:]
+        ids = ids[:next((at for at, i in enumerate(ids) if i in self.stop_tokens), len(ids))]
+        while ids and ids[-1] == self.pad_id:
+            ids.pop()
+        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 def _generation_eos_ids(path) -> list[int]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..attention.registry import KERNELS
+from ..rollout.sampling import MIN_TEMPERATURE
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "instantiate_checked",
            "parse_checked", "split_problem"]
@@ -51,8 +52,9 @@ def _positive(v):
     return None if v > 0 else "must be > 0"
 
 
-def _finite_positive(v):
-    return None if 0 < v < math.inf else "must be a finite number > 0"
+def _temperature(v):
+    return None if MIN_TEMPERATURE <= v < math.inf else \
+        f"must be a finite number >= {MIN_TEMPERATURE} (the rollout's sampling)"
 
 
 def _unit_interval(v):
@@ -89,14 +91,16 @@ GRPO_SCHEMA: dict[str, Any] = {
     "group_size": Key("int", _group_size),
     "rollout_batch_rows": Key("int", _at_least(1), nullable=True, required=False),
     "max_generated_tokens": Key("int", _at_least(1)),
-    "temperature": Key("float", _finite_positive),
+    "temperature": Key("float", _temperature),
     "top_k": Key("int", _at_least(1), nullable=True),
     "top_p": Key("float", _unit_interval, nullable=True, required=False),
     "rollout_share_prompt": Key("bool", nullable=True, required=False),
     "rollout_steps_per_graph": Key("int", _at_least(1), required=False),
+    "rollout_release_cache": Key("bool", required=False),
     "micro_batch_groups": Key("int", _at_least(1)),
     "max_tokens_per_micro_batch": Key("int", _at_least(1), nullable=True, required=False),
     "max_grad_norm": Key("float", _positive),
+    "updates_per_step": Key("int", _at_least(1), required=False),
     "dynamic_sampling": Key("bool"),
     "overlong": {"max_len": Key("int", _at_least(1)), "cache_len": Key("int", _at_least(0))},
     "save_every": Key("int", _at_least(0)),
@@ -233,8 +237,11 @@ class _Checker:
         groups, micro = config.get("groups_per_step"), config.get("micro_batch_groups")
         ranks = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun (tune run --nproc...)
         if isinstance(groups, int) and isinstance(micro, int) and groups > 0 and micro > 0:
+            updates = config.get("updates_per_step", 1)
             problem = split_problem(groups, ranks, micro,
-                                    by_groups=config.get("max_tokens_per_micro_batch") is None)
+                                    by_groups=config.get("max_tokens_per_micro_batch") is None,
+                                    updates=updates if isinstance(updates, int) and updates > 0
+                                    else 1)
             if problem:
                 self.bad("groups_per_step", f"{groups} {problem}")
 
@@ -275,13 +282,15 @@ def check_recipe_config(config: dict, *, config_file: str, overrides: list[str],
 
 
 def split_problem(groups_per_step: int, ranks: int, micro_batch_groups: int, *,
-                  by_groups: bool) -> str | None:
-    """What is wrong with splitting a step's groups over the ranks (and, micro-batching by
-    whole groups, over micro-batches of micro_batch_groups), or None."""
+                  by_groups: bool, updates: int = 1) -> str | None:
+    """What is wrong with splitting a step's groups over the ranks, their optimizer steps
+    (updates_per_step mini-batches) and, micro-batching by whole groups, micro-batches of
+    micro_batch_groups; or None."""
     per_rank, rest = divmod(groups_per_step, ranks)
-    if rest or (by_groups and per_rank % micro_batch_groups):
-        return (f"must split into {ranks} rank(s) x whole micro-batches of "
-                f"micro_batch_groups={micro_batch_groups}")
+    per_update, rest_update = divmod(per_rank, updates)
+    if rest or rest_update or not per_update or (by_groups and per_update % micro_batch_groups):
+        return (f"must split into {ranks} rank(s) x updates_per_step={updates} x whole "
+                f"micro-batches of micro_batch_groups={micro_batch_groups}")
     return None
 
 

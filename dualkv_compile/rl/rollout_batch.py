@@ -35,6 +35,10 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, samples: int, pad_i
     gathered once for all calls, and a rank with G = 0 (no rows this round) still joins that
     gathering, returning empty tensors."""
     stops = tuple(stop_tokens)
+    if len(prompts):  # named by the caller's row here: each call's engine names its own rows
+        empty = (~prompt_mask_of(prompts, pad_id).any(1)).nonzero()[:, 0].tolist()
+        if empty:
+            raise ValueError(f"prompts {empty} hold only pad_id={pad_id}")
     calls = plan_calls(prompts.shape[0], samples, rows_per_call) if len(prompts) else []
     with gathered_weights(engine.model):
         parts = [engine.generate(prompts[first:first + count], samples=n, pad_id=pad_id,

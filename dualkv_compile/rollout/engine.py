@@ -201,6 +201,12 @@ class RolloutEngine:
                 return c.out.clone(), c.logprobs.clone()
             return c.out.clone()
 
+    def release(self) -> None:
+        """Drop the held workspace (KV cache, CUDA graphs and their memory pool), so that its
+        memory goes back to the caching allocator, e.g. for the policy update between rollouts.
+        The next call allocates and captures again; the compiled steps are kept."""
+        self._workspace = None
+
     def kv_bytes(self) -> int:
         """Bytes of K/V held by the last call's cache (0 before the first)."""
         return self._workspace.cache.kv_bytes() if self._workspace else 0

@@ -4,7 +4,7 @@ q ~ Exp(1) drawn from the caller's generator (the exponential trick, torchtune's
 The ops up to top-k are torchtune's `generation.sample`, op for op, so that the engine draws
 the same tokens as torchtune's generate for the same generator. Top-p (nucleus) keeps the
 smallest set of most likely tokens whose probability reaches top_p, as vLLM and transformers
-do; the most likely token is always kept. No multinomial, nonzero or .item(): the step can be
+do (their rule, summed from the least likely up); the most likely token is always kept. No multinomial, nonzero or .item(): the step can be
 captured in a CUDA graph.
 """
 
@@ -19,7 +19,10 @@ from torch import Tensor
 
 from ..arguments import as_index, integer_arg
 
-__all__ = ["SamplingParams", "draw_noise", "sample", "stop_ids", "stop_mask", "stop_table"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "draw_noise", "sample", "stop_ids", "stop_mask", "stop_table"]
+
+
+MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon; far smaller ones overflow logits / T
 
 
 @dataclass(frozen=True)
@@ -30,8 +33,10 @@ class SamplingParams:
 
     def __post_init__(self):
         temperature = _real(self.temperature)
-        if temperature is None or not 0 < temperature < math.inf:
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number > 0")
+        if temperature is None or not MIN_TEMPERATURE <= temperature < math.inf:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= "
+                             f"{MIN_TEMPERATURE} (logits / temperature overflows float32 below "
+                             f"that; there is no greedy mode)")
         object.__setattr__(self, "temperature", temperature)
         if self.top_k is not None:  # stored as an int: it is part of the compiled step's key
             object.__setattr__(self, "top_k", integer_arg("top_k", self.top_k, 1))
@@ -55,10 +60,12 @@ def draw_noise(noise: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def _top_p(logits: Tensor, top_p: float) -> Tensor:
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # drop a token when the tokens before it already reach top_p
-    drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+    sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+    # drop the least likely tokens while their mass together stays within 1 - top_p, summed
+    # from the least likely up as transformers and vLLM do (a float32 sum from the top drifts
+    # over a 150K vocabulary and cut the nucleus short at high top_p); keep the most likely
+    drop_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - top_p
+    drop_sorted[..., -1] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

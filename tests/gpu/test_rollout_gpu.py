@@ -92,6 +92,22 @@ def test_several_stop_tokens_in_a_captured_step():
     assert (a[after] == PAD).all()
 
 
+def test_release_returns_the_cache_and_graph_memory():
+    # after release() the KV cache and the graphs' private pool are no longer allocated (the
+    # policy update can use them); the next call captures again and samples the same
+    m, p = model(seed=7), prompts()
+    engine = RolloutEngine(m, steps_per_graph=8)
+    first = run(engine, p)
+    torch.cuda.synchronize()
+    held, kv = torch.cuda.memory_allocated(), engine.kv_bytes()
+    captures = engine.stats["captures"]
+    engine.release()
+    torch.cuda.synchronize()
+    assert held - torch.cuda.memory_allocated() >= kv > 0
+    assert torch.equal(run(engine, p), first)
+    assert engine.stats["captures"] == 2 * captures and engine.stats["workspaces"] == 2
+
+
 def test_in_place_weight_update_is_seen_without_recapture():
     m, p = model(seed=2), prompts()
     engine = RolloutEngine(m, steps_per_graph=8)

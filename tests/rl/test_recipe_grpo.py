@@ -77,12 +77,15 @@ def test_dapo_config_on_and_off_agree(tmp_path):
     on = run(tmp_path, "dapo_on", config=config, num_steps=3)
     off = run(tmp_path, "dapo_off", config=config, num_steps=3, **{"dualkv.enabled": False})
     cfg = on.cfg
-    assert cfg.dynamic_sampling and cfg.overlong.max_len == 9
+    # the overlong band (max_len - cache_len, max_len] lies past the task's answer (8 letters
+    # + eos): the right answer is not penalised
+    assert cfg.dynamic_sampling and cfg.overlong.max_len - cfg.overlong.cache_len >= 9
+    assert cfg.updates_per_step > 1  # without several updates the ratio is 1: nothing to clip
     assert cfg.loss.aggregation == "token" and cfg.loss.epsilon_high > cfg.loss.epsilon_low
     assert on.policy.uses_dualkv and not off.policy.uses_dualkv
     assert len(on.history) == len(off.history) == 3
     for a, b in zip(on.history, off.history):
-        for key in ("loss", "kl", "grad_norm", "response_logprob"):
+        for key in ("loss", "kl", "clip_fraction", "grad_norm", "response_logprob"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert a["reward"] == b["reward"]
     assert any(h["grad_norm"] > 1e-3 for h in on.history)
@@ -117,6 +120,36 @@ def test_micro_batches_by_token_budget_train_the_same(tmp_path):
         for key in ("loss", "kl", "grad_norm", "response_logprob"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert b["compiles"] >= 1
+
+
+def test_releasing_the_rollout_cache_changes_nothing_but_memory(tmp_path):
+    """rollout_release_cache: the engine drops its workspace after each step's rollouts and
+    allocates a new one at the next; the samples and the training are the same."""
+    held = run(tmp_path, "held", num_steps=2)
+    released = run(tmp_path, "released", num_steps=2, rollout_release_cache=True)
+    assert held.rollout_engine.stats["workspaces"] == 1
+    assert released.rollout_engine.stats["workspaces"] == 2
+    assert released.rollout_engine._workspace is None
+    for a, b in zip(held.history, released.history):
+        for key in ("reward", "loss", "kl", "grad_norm", "response_logprob", "response_length"):
+            assert a[key] == b[key], (a["step"], key)
+
+
+def test_several_updates_per_step_clip_and_agree_on_and_off(tmp_path):
+    """updates_per_step=2: two optimizer steps on halves of the batch; the second half's ratio
+    to the sampling policy leaves 1, so the clipping bites (it never does with one update),
+    and dualkv on and off still agree at every step."""
+    fast = {"optimizer.lr": 0.05, "loss.epsilon_low": 0.05, "loss.epsilon_high": 0.05}
+    one = run(tmp_path, "one", num_steps=2, **fast)
+    on = run(tmp_path, "on", num_steps=2, updates_per_step=2, **fast)
+    off = run(tmp_path, "off", num_steps=2, updates_per_step=2, **fast,
+              **{"dualkv.enabled": False})
+    assert all(h["clip_fraction"] == 0 for h in one.history)
+    assert any(h["clip_fraction"] > 0 for h in on.history)
+    assert [h["loss"] for h in on.history] != [h["loss"] for h in one.history]
+    for a, b in zip(on.history, off.history):
+        for key in ("loss", "kl", "clip_fraction", "grad_norm", "response_logprob"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
 
 def test_the_tiny_moe_config_trains_and_dualkv_on_and_off_agree(tmp_path):

@@ -164,3 +164,14 @@ def test_a_save_that_fails_midway_leaves_the_saved_folder_whole(tmp_path, checkp
     saver.save_checkpoint(state, epoch=3)  # the next save replaces it and clears the leftovers
     assert sorted(p.name for p in out.iterdir()) == ["epoch_3"]
     assert (first / "model.safetensors").read_bytes() == before  # the same weights again
+
+
+def test_decode_strips_left_padding_when_the_pad_id_is_a_stop_id(checkpoint):
+    # pad = eos when a tokenizer has no pad token (Qwen3's pad is in its eos list too): the
+    # leading padding of a left-padded row is not the stop
+    folder, _ = checkpoint
+    tok = HFTokenizer(str(folder))
+    tok.pad_id = tok.stop_tokens[0]
+    body = tok.encode("what is 2+2?", add_bos=False)
+    row = [tok.pad_id] * 3 + body + [tok.stop_tokens[0]] + [7, 7]
+    assert tok.decode(row) == tok.decode(body) != ""

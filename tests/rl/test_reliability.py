@@ -49,7 +49,7 @@ def test_typos_and_impossible_values_are_refused_before_anything_runs(tmp_path):
         "dualkv.enabeld": "did you mean 'enabled'", "num_stepz": "did you mean 'num_steps'",
         "num_steps": "'abc' is not an integer", "groups_per_step": "0 must be >= 1",
         "group_size": "group of one has advantage 0", "model.num_layerz": "'num_layers'",
-        "optimizer.lrr": "did you mean 'lr'", "temperature": "0 must be a finite number > 0",
+        "optimizer.lrr": "did you mean 'lr'", "temperature": "0 must be a finite number >= 1e-05",
     }
     if not torch.cuda.is_available():
         expect["device"] = "torch.cuda.is_available() is False"

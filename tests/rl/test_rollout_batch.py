@@ -2,6 +2,7 @@
 prompts with a padding mask that ends at each response's first stop token; a rank without
 prompts gets empty tensors."""
 
+import pytest
 import torch
 
 from dualkv_compile.rl import rollout_batch
@@ -52,3 +53,11 @@ def test_a_rank_without_prompts_gets_empty_tensors():
                                           max_generated_tokens=6)
     assert tokens.shape == mask.shape == (0, 11) and lengths.shape == (0,)
     assert mask.dtype == torch.bool
+
+
+def test_an_empty_prompt_is_named_by_its_row_in_the_batch():
+    prompts = torch.randint(2, VOCAB, (4, 5), generator=torch.Generator().manual_seed(0))
+    prompts[3] = PAD
+    with pytest.raises(ValueError, match=r"prompts \[3\] hold only pad_id=0"):
+        rollout_batch(RolloutEngine(model()), prompts, samples=2, pad_id=PAD,
+                      max_generated_tokens=3, rows_per_call=4)  # calls of 2 groups each

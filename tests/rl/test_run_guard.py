@@ -113,9 +113,11 @@ def _config(**changes) -> dict:
     ({"overlong": {"max_len": 4, "cache_len": 5}},
      "overlong.cache_len (x): 5 must be in (0, overlong.max_len=4]"),
     ({"dualkv.bucket_growth": 0.5}, "dualkv.bucket_growth (x): 0.5 must be in [1, 4]"),
-    ({"micro_batch_groups": 3}, "groups_per_step (x): 8 must split into 1 rank(s) x whole "
-                                "micro-batches of micro_batch_groups=3"),
-    ({"temperature": float("inf")}, "temperature (x): inf must be a finite number > 0"),
+    ({"micro_batch_groups": 3}, "groups_per_step (x): 8 must split into 1 rank(s) x "
+                                "updates_per_step=1 x whole micro-batches of micro_batch_groups=3"),
+    ({"updates_per_step": 3}, "groups_per_step (x): 8 must split into 1 rank(s) x "
+                              "updates_per_step=3 x whole micro-batches"),
+    ({"temperature": float("inf")}, "temperature (x): inf must be a finite number >= 1e-05"),
 ])
 def test_values_that_fail_together_are_refused_up_front(changes, message, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -171,6 +171,24 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert int(sample(logits, noise, SamplingParams(top_p=0.01))) == 0
 
 
+def test_top_p_is_the_exact_nucleus_on_a_large_vocabulary():
+    # float32 over a Qwen-sized vocabulary: the nucleus equals the float64 one and
+    # transformers' TopPLogitsWarper's (summed from the tail; a sum from the top drifted
+    # and kept 82,264 of 98,344 tokens at top_p = 0.99999)
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from dualkv_compile.rollout.sampling import _top_p
+
+    g = torch.Generator().manual_seed(0)
+    for scale, top_p in ((4.0, 0.99999), (7.0, 0.9999), (1.0, 0.9)):
+        logits = (scale * torch.randn(1, 151936, generator=g, dtype=torch.float64)).float()
+        kept = _top_p(logits, top_p).isfinite()
+        probs = torch.softmax(logits.double(), -1)[0].sort(descending=True).values
+        exact = int((probs.cumsum(0) - probs < top_p).sum())
+        theirs = TopPLogitsWarper(top_p)(None, logits.clone()).isfinite()
+        assert int(kept.sum()) == exact and torch.equal(kept, theirs), (scale, top_p)
+
+
 def test_prompt_splits_fill_the_gpu_and_divide_the_capacity():
     assert prompt_splits(1, 8, 4096) == 64 and prompt_splits(16, 8, 4096) == 4
     assert prompt_splits(64, 8, 4096) == 1 and prompt_splits(1, 8, 48) == 2
@@ -194,6 +212,7 @@ def test_prompt_buckets_waste_under_a_quarter():
     (dict(temperature="0.7"), "temperature='0.7' must be a finite number"),
     (dict(temperature=float("inf")), "temperature=inf"),
     (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(temperature=1e-6), r"temperature=1e-06 must be a finite number >= 1e-05"),
     (dict(top_p=True), "top_p=True must be a number"),
     (dict(top_p="0.9"), "top_p='0.9' must be a number"),
     (dict(top_k=0), "top_k=0"),
@@ -342,3 +361,17 @@ def test_shorter_prompts_reuse_the_held_workspace():
         assert engine.stats["workspaces"] == workspaces
         assert cache.prompt_k[0].shape[1] * cache.prompt_k[0].shape[3] == capacity
     assert cache.prompt_k[0].shape[1] > 1  # the split layout padded past the prefill's width
+
+
+def test_release_frees_the_workspace_and_the_next_call_samples_the_same():
+    model = model_of("qwen3", seed=4)
+    engine = RolloutEngine(model)
+    kw = dict(samples=2, max_generated_tokens=5, pad_id=PAD, stop_token=EOS)
+    prompts = ragged_prompts(groups=2)
+    first = engine.generate(prompts, rng=torch.Generator().manual_seed(5), **kw)
+    engine.release()
+    assert engine._workspace is None and engine.kv_bytes() == 0
+    again = engine.generate(prompts, rng=torch.Generator().manual_seed(5), **kw)
+    assert engine.stats["workspaces"] == 2 and torch.equal(again, first)
+    assert torch.equal(again, reference_generate(model, prompts,
+                                                 rng=torch.Generator().manual_seed(5), **kw))

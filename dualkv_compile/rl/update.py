@@ -1,0 +1,83 @@
+"""One optimizer step of the GRPO/DAPO policy update on a batch of scored groups, as the recipe
+runs it: gradients accumulated over micro-batches (whole groups, or a packed-token budget),
+each micro-batch's loss weighted by its share of the batch, clipped, applied.
+
+    stats = optimizer_step(policy, loss_fn, optimizer, tokens, mask, p, old, ref,
+                           advantages, group_size=16, temperature=1.0,
+                           micro_batch_groups=1, max_grad_norm=1.0)
+
+Under FSDP2 every rank calls it alike; the normalisers are sums over all ranks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..layout.plan import micro_batch_rows
+from . import distributed as ddp
+
+__all__ = ["StepStats", "optimizer_step"]
+
+
+class StepStats(NamedTuple):
+    loss: float  # this rank's share of the loss summed over ranks
+    kl: float  # this rank's share of the token-mean KL estimate over all ranks
+    clip_fraction: float  # likewise, of the tokens whose ratio was clipped
+    grad_norm: float  # before clipping
+
+
+def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Tensor,
+                   mask: Tensor, prompt_len: int, old: Tensor, ref: Tensor, advantages: Tensor,
+                   *, group_size: int, temperature: float, max_grad_norm: float,
+                   micro_batch_groups: int = 1, max_tokens: int | None = None,
+                   counted: bool = True) -> StepStats:
+    """policy: a DualKVModel; loss_fn: a GRPOLoss; tokens, mask [G*N, P+R] group-major;
+    old, ref [G*N, R] logprobs (the sampling policy's and the reference's, at `temperature`);
+    advantages [G*N]. counted=False runs the rows at weight 0 (a rank with nothing to train
+    on, which must still join the collectives)."""
+    p = prompt_len
+    resp_mask = mask[:, p:]
+    _, world_size = ddp.world()
+    # rows are group-major by construction (rl.rollout_batch), so tokens are not passed for
+    # the check, a host sync a step
+    batches = micro_batch_rows(mask, prompt_len=p, group_size=group_size,
+                               groups=micro_batch_groups, max_tokens=max_tokens)
+    # normalisers over all ranks (uncounted rows excluded); FSDP averages gradients over
+    # ranks, so scale back by the world size to get the gradient of the global loss
+    total_tokens, total_rows = ddp.all_sum(resp_mask.sum() * int(counted),
+                                           tokens.shape[0] * int(counted))
+    total_tokens, total_rows = max(total_tokens, 1.0), max(total_rows, 1.0)
+    n_micro = int(ddp.all_max(len(batches))[0])
+    loss_sum, kl_sum, clip_sum = 0.0, 0.0, 0.0
+    for i in range(n_micro):
+        # a rank with fewer micro-batches (dynamic sampling, a token budget) repeats its first
+        # at weight 0, so that every rank runs the same FSDP collectives
+        rows = batches[i] if i < len(batches) else batches[0]
+        real = i < len(batches) and counted
+        if not real:
+            weight = 0.0
+        elif loss_fn.aggregation == "token":
+            weight = float(resp_mask[rows].sum()) / total_tokens
+        else:
+            weight = resp_mask[rows].shape[0] / total_rows
+        # the micro-batch's loss times its weight (and the world size) as a per-token loss:
+        # the LM head computes its gradients in the forward pass (response_loss)
+        token_loss = loss_fn.token_loss(old[rows], ref[rows], advantages[rows], resp_mask[rows],
+                                        scale=weight * world_size)
+        loss, lp = policy.response_loss(tokens[rows], prompt_len=p, padding_mask=mask[rows],
+                                        token_loss=token_loss, temperature=temperature)
+        loss.backward()
+        loss_sum += float(loss.detach()) / world_size
+        if real:
+            stats = loss_fn.stats(lp, old[rows], ref[rows], resp_mask[rows])
+            share = float(resp_mask[rows].sum()) / total_tokens  # of the token means
+            kl_sum += float(stats["kl"]) * share
+            clip_sum += float(stats["clip_fraction"]) * share
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepStats(loss_sum, kl_sum, clip_sum, float(grad_norm))
