@@ -7,12 +7,14 @@ Not a test.
 
 Variants, run one after the other in the same process on the same model:
 - engine: one RolloutEngine for all calls (a call whose prompts fit the held prompt capacity
-  with at most 2x padding reuses its workspace);
-- rebuild: the same engine with its workspace dropped whenever a call's prompt bucket differs
+  with at most 2x padding reuses its workspace; two call shapes are held);
+- one_workspace: the same with max_workspaces=1, which is what the engine did before it held
+  two call shapes (each change of shape, e.g. `--groups 4 3`, made a new cache and capture);
+- rebuild: the engine with its workspaces dropped whenever a call's prompt bucket differs
   from the previous call's, which is what the engine did before it kept the capacity
   (every change of bucket made a new cache and recaptured the graphs; compiles stay cached).
-Each variant first runs one call per distinct bucket (compiles, excluded), then `--rounds`
-passes over the prompt lengths, timed.
+Call i has groups[i % len(groups)] prompts. Each variant first runs one call per distinct
+(bucket, groups) (compiles, excluded), then `--rounds` passes over the prompt lengths, timed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dualkv_compile.rollout import RolloutEngine, prompt_bucket
 from dualkv_compile.tools._common import (add_out_argument, environment, parse_shape,
                                           positive_int, write_results)
 
-VARIANTS = ("engine", "rebuild")
+VARIANTS = ("engine", "one_workspace", "rebuild")
 
 
 def _prompts(groups: int, width: int, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -42,14 +44,14 @@ def _prompts(groups: int, width: int, length: int, gen: torch.Generator) -> torc
 
 
 def _run(model, variant: str, calls: list, n: int, r: int, warm: list) -> dict:
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, max_workspaces=1 if variant == "one_workspace" else 2)
     gen = torch.Generator("cuda").manual_seed(0)
     previous = None
     times = []
     for i, prompts in enumerate(warm + calls):
         bucket = prompt_bucket(int((prompts != 0).sum(1).max()))
         if variant == "rebuild" and bucket != previous:
-            engine._workspace = None  # the engine before it kept its prompt capacity
+            engine.release()  # the engine before it kept no prompt capacity across buckets
         previous = bucket
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -83,7 +85,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--shape", type=parse_shape, default=parse_shape("16,4096,1024"),
                     metavar="N,P,R", help="N responses of R tokens; P the prompts' padded width")
     ap.add_argument("--layers", type=positive_int, default=8)
-    ap.add_argument("--groups", type=positive_int, default=2, help="prompts per call")
+    ap.add_argument("--groups", type=positive_int, nargs="+", default=[2],
+                    help="prompts per call, cycled over the calls (e.g. 4 3: shapes alternate)")
     ap.add_argument("--prompt-lens", type=int, nargs="+", metavar="L",
                     default=[4000, 3300, 3900, 3400, 4050, 3250],
                     help="each call's longest prompt, in call order (at most P)")
@@ -100,10 +103,11 @@ def main(argv=None, prog=None):
         model = qwen3_8b(num_layers=args.layers, max_seq_len=p + r)
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     gen = torch.Generator("cuda").manual_seed(0)
-    calls = [_prompts(args.groups, p, x, gen) for x in args.prompt_lens] * args.rounds
+    groups = [args.groups[i % len(args.groups)] for i in range(len(args.prompt_lens))]
+    calls = [_prompts(g, p, x, gen) for g, x in zip(groups, args.prompt_lens)] * args.rounds
     buckets = sorted({prompt_bucket(x) for x in args.prompt_lens})
-    firsts = {prompt_bucket(x): x for x in reversed(args.prompt_lens)}
-    warm = [_prompts(args.groups, p, firsts[b], gen) for b in buckets]
+    firsts = {(prompt_bucket(x), g): x for g, x in reversed(list(zip(groups, args.prompt_lens)))}
+    warm = [_prompts(g, p, x, gen) for (_, g), x in sorted(firsts.items())]
     rows = []
     for variant in VARIANTS:
         torch.cuda.reset_peak_memory_stats()

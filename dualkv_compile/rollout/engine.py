@@ -101,15 +101,19 @@ class RolloutEngine:
     steps_per_graph: decode steps per graph (or per eager chunk), and so per check of the stops.
     share_prompt: False replicates the prompt K/V per row (the conventional decoder, for
         baselines); the tokens are the same.
+    max_workspaces: call shapes whose workspaces (KV cache, compiled step, CUDA graphs) are
+        held at once, the least recently used dropped first: 2 serves a rollout whose calls
+        alternate between two shapes (plan_calls' unequal last call, dynamic sampling's refill
+        rounds) without a new cache and capture at each change, for a second cache's memory.
     """
 
     def __init__(self, model: torch.nn.Module, *, attention: str = "auto",
                  compile: bool | None = None, cuda_graphs: bool | None = None,
-                 steps_per_graph: int = 16, share_prompt: bool = True):
+                 steps_per_graph: int = 16, share_prompt: bool = True, max_workspaces: int = 2):
         if attention not in ("auto", *IMPLEMENTATIONS):
             raise ValueError(f"attention={attention!r} is not one of {('auto', *IMPLEMENTATIONS)}")
-        if steps_per_graph < 1:
-            raise ValueError(f"steps_per_graph={steps_per_graph} must be at least 1")
+        steps_per_graph = integer_arg("steps_per_graph", steps_per_graph, 1)
+        self.max_workspaces = integer_arg("max_workspaces", max_workspaces, 1)
         self.model = model
         self.decoder = decoder_for(model)
         self.attention, self.compile, self.cuda_graphs = attention, compile, cuda_graphs
@@ -119,7 +123,8 @@ class RolloutEngine:
         # graph_fallbacks
         self.stats = Counter()
         self._steps: dict[_Key, object] = {}  # compiled decode steps, per key
-        self._workspace: _Workspace | None = None  # the last shape's buffers (one held)
+        # held workspaces by call shape (their key with capacity 0), least recently used first
+        self._held: dict[_Key, _Workspace] = {}
         self._graph_gen: torch.Generator | None = None  # what captured graphs draw from
 
     # ---- public ------------------------------------------------------------------------------
@@ -202,14 +207,19 @@ class RolloutEngine:
             return c.out.clone()
 
     def release(self) -> None:
-        """Drop the held workspace (KV cache, CUDA graphs and their memory pool), so that its
-        memory goes back to the caching allocator, e.g. for the policy update between rollouts.
-        The next call allocates and captures again; the compiled steps are kept."""
-        self._workspace = None
+        """Drop the held workspaces (KV caches, CUDA graphs and their memory pools), so that
+        their memory goes back to the caching allocator, e.g. for the policy update between
+        rollouts. The next call allocates and captures again; the compiled steps are kept."""
+        self._held.clear()
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V held by the last call's cache (0 before the first)."""
+        """Bytes of K/V held by the last call's cache (0 before the first or after release)."""
         return self._workspace.cache.kv_bytes() if self._workspace else 0
+
+    @property
+    def _workspace(self) -> _Workspace | None:
+        """The last call's workspace."""
+        return next(reversed(self._held.values()), None)
 
     # ---- checks ------------------------------------------------------------------------------
     def _implementation(self, device: torch.device, dtype: torch.dtype) -> str:
@@ -276,19 +286,21 @@ class RolloutEngine:
         """`key` with the held workspace's prompt capacity where it is the same call shape and
         that capacity holds the prompts with at most 2x padding (more would cost the flex and
         math decode attention, which read the whole capacity, more than a rebuild)."""
-        ws = self._workspace
-        if ws is not None and ws.key._replace(capacity=key.capacity) == key and \
-                key.capacity <= ws.key.capacity <= 2 * key.capacity:
+        ws = self._held.get(key._replace(capacity=0))
+        if ws is not None and key.capacity <= ws.key.capacity <= 2 * key.capacity:
             return ws.key
         return key
 
     def _workspace_for(self, key: _Key, on_cuda: bool, compiled: bool) -> _Workspace:
-        ws = self._workspace
+        shape = key._replace(capacity=0)
+        ws = self._held.pop(shape, None)
         # a cache made under torch.inference_mode() cannot be written outside it: rebuild
         stale = ws is not None and ws.cache.noise.is_inference() and \
             not torch.is_inference_mode_enabled()
         if ws is None or ws.key != key or stale:
-            self._workspace = ws = None  # free the previous shape's buffers first
+            ws = None  # free this shape's old buffers, and the least recently used shape's
+            while len(self._held) >= self.max_workspaces:
+                del self._held[next(iter(self._held))]
             dec = self.decoder
             cache = RolloutCache.allocate(
                 layers=len(dec.layers), groups=key.groups, rows=key.rows,
@@ -301,7 +313,7 @@ class RolloutEngine:
             ws.use_graphs = on_cuda and compiled and (self.cuda_graphs is not False)
             if ws.use_graphs:
                 ws.pool = torch.cuda.graph_pool_handle()
-            self._workspace = ws
+        self._held[shape] = ws  # the most recently used last
         if ws.use_graphs:
             fingerprint = weights_fingerprint(self.model)
             if fingerprint != ws.fingerprint:  # weights in new storage: graphs read the old
@@ -365,8 +377,9 @@ class RolloutEngine:
                 ws.graphs[n] = StepGraph(ws.step_fn, ws.cache.decode_tensors(), ws.cache.noise,
                                          n, self._graph_gen, ws.pool)
             except Exception as e:  # noqa: BLE001 - any capture failure falls back, logged
-                ws.use_graphs = False
-                ws.graphs.clear()
+                for held in self._held.values():  # their graphs draw from the dropped generator
+                    held.use_graphs = False
+                    held.graphs.clear()
                 self._graph_gen = None  # a failed capture may leave it unusable
                 self.stats["graph_fallbacks"] += 1
                 counters["rollout_graph_fallbacks"] += 1

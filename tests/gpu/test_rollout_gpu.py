@@ -108,6 +108,20 @@ def test_release_returns_the_cache_and_graph_memory():
     assert engine.stats["captures"] == 2 * captures and engine.stats["workspaces"] == 2
 
 
+def test_two_call_shapes_replay_their_own_graphs():
+    # calls of 3 groups and of 2 alternate: each shape keeps its workspace and graphs (captured
+    # once), and the replays sample what the eagerly launched steps sample
+    m, three, two = model(seed=8), prompts(), prompts(groups=2, seed=9)
+    graphs = RolloutEngine(m, steps_per_graph=8)
+    eager = RolloutEngine(m, cuda_graphs=False)
+    for i, p in enumerate([three, two, three, two]):
+        assert torch.equal(run(graphs, p, seed=i), run(eager, p, seed=i)), i
+        if i == 1:
+            captures = graphs.stats["captures"]
+    assert graphs.stats["captures"] == captures and graphs.stats["workspaces"] == 2
+    assert graphs.stats["graph_fallbacks"] == 0
+
+
 def test_in_place_weight_update_is_seen_without_recapture():
     m, p = model(seed=2), prompts()
     engine = RolloutEngine(m, steps_per_graph=8)

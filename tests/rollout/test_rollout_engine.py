@@ -375,3 +375,21 @@ def test_release_frees_the_workspace_and_the_next_call_samples_the_same():
     assert engine.stats["workspaces"] == 2 and torch.equal(again, first)
     assert torch.equal(again, reference_generate(model, prompts,
                                                  rng=torch.Generator().manual_seed(5), **kw))
+
+
+@pytest.mark.parametrize("max_workspaces,allocated", [(2, 2), (1, 4)])
+def test_calls_alternating_between_two_shapes_keep_both_workspaces(max_workspaces, allocated):
+    # plan_calls' unequal last call, or a dynamic-sampling refill: calls of 2 groups and of 1
+    # alternate; two held workspaces serve both without a new cache at each change
+    model = model_of("qwen3", seed=4)
+    engine = RolloutEngine(model, max_workspaces=max_workspaces)
+    kw = dict(samples=2, max_generated_tokens=5, pad_id=PAD, stop_token=EOS)
+    two, one = ragged_prompts(groups=2), ragged_prompts(groups=1, seed=3)
+    for i, prompts in enumerate([two, one, two, one]):
+        ours = engine.generate(prompts, rng=torch.Generator().manual_seed(i), **kw)
+        theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(i), **kw)
+        assert torch.equal(ours, theirs), i
+    assert engine.stats["workspaces"] == allocated
+    assert len(engine._held) == min(max_workspaces, 2)
+    engine.release()
+    assert not engine._held and engine.kv_bytes() == 0
