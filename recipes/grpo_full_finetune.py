@@ -231,7 +231,8 @@ class GRPORecipe:
             self.rollout_engine.release()
         rollout_peak = _peak_memory_gib(self.device, reset=True)
         # in float64 (rewards come as float32), then the logprobs' dtype
-        advantages = group_advantages(rewards.double()).flatten().to(
+        advantages = group_advantages(
+            rewards.double(), scale=cfg.get("scale_advantages", True)).flatten().to(
             self.device, torch.promote_types(torch.float32, self.dtype))
         t_rollout = time.perf_counter()
         resp_mask = mask[:, p:]

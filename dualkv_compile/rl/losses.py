@@ -2,7 +2,8 @@
 
 GRPO (Shao et al. 2024): group-normalised advantages, PPO-style clipped ratio, a KL penalty to
 the reference policy (the k3 estimator exp(ref - pi) - (ref - pi) - 1), tokens averaged per
-sequence then over sequences. DAPO (Yu et al. 2025): clip-higher (epsilon_high > epsilon_low),
+sequence then over sequences. Dr. GRPO (Liu et al. 2025): no std scaling of the advantages
+and a constant normaliser (aggregation="constant"). DAPO (Yu et al. 2025): clip-higher (epsilon_high > epsilon_low),
 token-level aggregation (all tokens of the batch weigh the same), dynamic sampling (groups whose
 rewards are all equal carry no signal) and overlong reward shaping.
 """
@@ -48,14 +49,19 @@ def overlong_penalty(lengths: Tensor, *, max_len: int, cache_len: int) -> Tensor
     return torch.where(lengths <= start, torch.zeros_like(ramp), ramp.clamp(min=-1.0))
 
 
+AGGREGATIONS = ("sequence", "token", "constant")
+
+
 @dataclass(kw_only=True)
 class GRPOLoss:
     """Clipped policy-gradient loss with a KL penalty.
 
     epsilon_low / epsilon_high: the ratio is clipped to [1 - low, 1 + high] (DAPO's clip-higher
     when high > low). kl_coef: weight of the KL penalty to the reference policy.
-    aggregation: "sequence" (GRPO: mean over each response's tokens, then over responses) or
-    "token" (DAPO: mean over all response tokens of the batch).
+    aggregation: "sequence" (GRPO: mean over each response's tokens, then over responses),
+    "token" (DAPO: mean over all response tokens of the batch) or "constant" (Dr. GRPO: the
+    sum over response tokens divided by responses x the response width R, the maximum length,
+    so that no response's tokens weigh more for its being short; TRL's loss_type="dr_grpo").
     """
 
     epsilon_low: float = 0.2
@@ -64,8 +70,8 @@ class GRPOLoss:
     aggregation: str = "sequence"
 
     def __post_init__(self):
-        if self.aggregation not in ("sequence", "token"):
-            raise ValueError(f"aggregation={self.aggregation!r} must be 'sequence' or 'token'")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={self.aggregation!r} must be one of {AGGREGATIONS}")
         if self.epsilon_low < 0 or self.epsilon_high < 0 or self.kl_coef < 0:
             raise ValueError(f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high} "
                              f"and kl_coef={self.kl_coef} must be >= 0")
@@ -84,6 +90,8 @@ class GRPOLoss:
         m = mask.to(torch.float64)
         if self.aggregation == "token":
             return m / m.sum().clamp_min(1)
+        if self.aggregation == "constant":
+            return m / (m.shape[0] * m.shape[1])
         return m / (m.sum(1, keepdim=True).clamp_min(1) * m.shape[0])
 
     def token_loss(self, old_logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor,

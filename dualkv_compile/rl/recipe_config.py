@@ -101,6 +101,7 @@ GRPO_SCHEMA: dict[str, Any] = {
     "max_tokens_per_micro_batch": Key("int", _at_least(1), nullable=True, required=False),
     "max_grad_norm": Key("float", _positive),
     "updates_per_step": Key("int", _at_least(1), required=False),
+    "scale_advantages": Key("bool", required=False),
     "dynamic_sampling": Key("bool"),
     "overlong": {"max_len": Key("int", _at_least(1)), "cache_len": Key("int", _at_least(0))},
     "save_every": Key("int", _at_least(0)),

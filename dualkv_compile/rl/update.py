@@ -60,7 +60,7 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
             weight = 0.0
         elif loss_fn.aggregation == "token":
             weight = float(resp_mask[rows].sum()) / total_tokens
-        else:
+        else:  # "sequence" and "constant" normalise per response row
             weight = resp_mask[rows].shape[0] / total_rows
         # the micro-batch's loss times its weight (and the world size) as a per-token loss:
         # the LM head computes its gradients in the forward pass (response_loss)

@@ -152,6 +152,18 @@ def test_several_updates_per_step_clip_and_agree_on_and_off(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
 
+def test_dr_grpo_settings_agree_on_and_off_and_change_the_update(tmp_path):
+    """Dr. GRPO: advantages not divided by the group's std, the constant normaliser."""
+    dr = {"loss.aggregation": "constant", "scale_advantages": False}
+    on = run(tmp_path, "dr_on", num_steps=2, **dr)
+    off = run(tmp_path, "dr_off", num_steps=2, **dr, **{"dualkv.enabled": False})
+    grpo = run(tmp_path, "grpo", num_steps=2)
+    for a, b in zip(on.history, off.history):
+        for key in ("loss", "kl", "grad_norm", "response_logprob"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert on.history[0]["grad_norm"] != pytest.approx(grpo.history[0]["grad_norm"], rel=1e-3)
+
+
 def test_the_tiny_moe_config_trains_and_dualkv_on_and_off_agree(tmp_path):
     """recipes/configs/tiny_moe_grpo.yaml: transformers' Qwen3-MoE through the whole recipe
     (rollout engine, optimize(), the fused loss), on vs off at every step."""

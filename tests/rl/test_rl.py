@@ -54,11 +54,15 @@ def test_grpo_loss_by_hand():
     token_loss, _ = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.0,
                              aggregation="token")(lp, old, lp, adv, mask)
     assert torch.isclose(token_loss, torch.tensor((-2.28 + 2.8) / 5))
+    # Dr. GRPO: the token sum over responses x the width (2 x 3), whatever each one's length
+    constant_loss, _ = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.0,
+                                aggregation="constant")(lp, old, lp, adv, mask)
+    assert torch.isclose(constant_loss, torch.tensor((-2.28 + 2.8) / 6))
     assert torch.isclose(stats["clip_fraction"], torch.tensor(2 / 5))
     assert stats["kl"] == 0
 
 
-@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
 def test_per_token_form_equals_the_loss(aggregation):
     # what the recipe hands to response_loss: the loss (times a scale) as a per-token function of
     # the valid tokens, gathered by flat index; value and gradient against the [B, R] loss
