@@ -10,8 +10,9 @@ __all__ = ["SEQUENCE_DEPENDENT_ROPE", "rope_types", "sliding_window"]
 # modeling_rope_utils): dynamic NTK scaling and LongRoPE's short/long factor switch
 SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
 # families whose attention takes the window from layer_types alone (transformers 5: a layer's
-# sliding_window is set only if its type is "sliding_attention"); Mistral reads the config's
-_WINDOW_BY_LAYER_TYPE = ("qwen2", "qwen3", "qwen3_moe")
+# sliding_window is set only if its type is "sliding_attention"); Mistral and Qwen3-MoE read
+# config.sliding_window itself
+_WINDOW_BY_LAYER_TYPE = ("qwen2", "qwen3")
 
 
 def _field(cfg, key: str, default=None):

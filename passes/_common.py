@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import operator
 from pathlib import Path
 
@@ -50,11 +51,31 @@ def may_write(node: fx.Node) -> bool:
     (x.mul_(), x += y, torch.relu_, F.relu(x, inplace=True), torch._foreach_copy_, ...)."""
     if node.op not in ("call_method", "call_function"):
         return False
-    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True \
-            or "out" in node.kwargs:
+    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or _inplace_flag(node):
         return True
     name = op_name(node)
     return name.endswith("_") and not name.endswith("__")
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """An `inplace` argument not literally False, by keyword or by position (Dynamo records
+    F.relu(y, True), and the inlined nn.ReLU6 / Hardtanh / ELU forwards, as called); where the
+    call cannot be bound to the function's signature, any argument named so counts."""
+    if node.kwargs.get("inplace", False) is not False:
+        return True
+    if node.op != "call_function":
+        return False
+    try:
+        parameters = inspect.signature(node.target).parameters
+    except (TypeError, ValueError):  # builtins without a Python signature take no inplace
+        return False
+    if "inplace" not in parameters:
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+    except TypeError:
+        return True
+    return bound.get("inplace", False) is not False
 
 
 def _storage(node) -> int | None:

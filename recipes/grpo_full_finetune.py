@@ -244,7 +244,10 @@ class GRPORecipe:
             ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
                                                    temperature=temp)
         counted = 0 if filler else 1  # a filler rank's rows count in no normaliser or metric
-        groups, n, updates = rewards.shape[0], cfg.group_size, cfg.get("updates_per_step", 1)
+        groups, n = rewards.shape[0], cfg.group_size
+        # no more updates than the most groups a rank has (dynamic sampling may keep fewer):
+        # an update with no rows anywhere would step the optimizer on zero gradients
+        updates = min(cfg.get("updates_per_step", 1), int(ddp.all_max(groups)[0]))
         sums = [0.0, 0.0, 0.0, 0.0]  # loss, kl, clip_fraction, grad_norm over the updates
         for u in range(updates):
             # the groups in `updates` consecutive mini-batches, an optimizer step each (DAPO's

@@ -57,6 +57,13 @@ def test_unsupported_models_are_named():
                          use_sliding_window=True, sliding_window=4, max_window_layers=2)
     assert cfg.layer_types == ["full_attention"] * 2
     dk.optimize(tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa"))
+    # Qwen3-MoE's attention reads config.sliding_window itself, whatever layer_types says
+    from dualkv_compile.hf_config import sliding_window
+
+    assert sliding_window({"model_type": "qwen3_moe", "layer_types": ["full_attention"],
+                           "use_sliding_window": True, "sliding_window": 3})
+    assert not sliding_window({"model_type": "qwen3", "layer_types": ["full_attention"],
+                               "use_sliding_window": True, "sliding_window": 3})
     cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")

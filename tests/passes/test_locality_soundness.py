@@ -104,7 +104,14 @@ def _mixed_model(mix):
     return model, tokens, mask, p
 
 
-@pytest.mark.parametrize("mix", [_mul_statement, _relu_statement, _view_statement],
+def _positional_inplace_statement(x):  # F.relu(y, True): the flag by position
+    y = x - 0.3
+    torch.nn.functional.relu(y, True)
+    return y
+
+
+@pytest.mark.parametrize("mix", [_mul_statement, _relu_statement, _view_statement,
+                                 _positional_inplace_statement],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_in_place_statements_are_kept(mix):
     model, tokens, mask, p = _mixed_model(mix)

@@ -152,6 +152,30 @@ def test_several_updates_per_step_clip_and_agree_on_and_off(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
 
+def test_updates_are_capped_at_the_groups_a_step_kept(tmp_path, monkeypatch):
+    """Dynamic sampling may keep fewer groups than updates_per_step: an update with no group
+    anywhere would step AdamW on zero gradients (moving the weights by its momentum) and dilute
+    the metrics. With one group kept, two updates train as one."""
+    import dualkv_compile.rl as rl
+    from dualkv_compile.rl.dynamic_sampling import ScoredGroups
+
+    real = rl.scored_groups
+
+    def one_group(*args, **kwargs):
+        s, n = real(*args, **kwargs), kwargs["group_size"]
+        return ScoredGroups(s.tokens[:n], s.mask[:n], s.lengths[:n], s.rewards[:1],
+                            s.prompt_len, s.sampled, s.filler)
+
+    monkeypatch.setattr(rl, "scored_groups", one_group)
+    one = run(tmp_path, "one", num_steps=2, updates_per_step=1)
+    two = run(tmp_path, "two", num_steps=2, updates_per_step=2)
+    for a, b in zip(one.history, two.history):
+        for key in ("loss", "kl", "clip_fraction", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+    state = next(iter(two.optimizer.state.values()))
+    assert float(state["step"]) == 2  # one optimizer step a training step
+
+
 def test_dr_grpo_settings_agree_on_and_off_and_change_the_update(tmp_path):
     """Dr. GRPO: advantages not divided by the group's std, the constant normaliser."""
     dr = {"loss.aggregation": "constant", "scale_advantages": False}
