@@ -20,9 +20,10 @@ def _field(cfg, key: str, default=None):
 
 
 def rope_types(cfg) -> set[str]:
-    """The rope types of `rope_parameters` (transformers 5; one entry per layer type in some
-    models) or `rope_scaling` (4.x, "rope_type" or "type"); {"default"} when unscaled."""
-    params = _field(cfg, "rope_parameters") or _field(cfg, "rope_scaling") or {}
+    """The rope types of `rope_scaling` (4.x, "rope_type" or "type"; transformers reads it
+    first where both are present) or `rope_parameters` (transformers 5; one entry per layer
+    type in some models); {"default"} when unscaled."""
+    params = _field(cfg, "rope_scaling") or _field(cfg, "rope_parameters") or {}  # transformers
     if not isinstance(params, dict):
         return {"default"}
     per_type = params.values() if params and all(isinstance(v, dict) for v in params.values()) \

@@ -15,6 +15,8 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+
 from ..durable import sync, sync_entry
 from .hf_checkpoint import (fuse_moe_experts, hf_to_ours, read_hf_state, split_moe_experts,
                             write_hf_state)
@@ -46,7 +48,12 @@ class Qwen3HFCheckpointer:
         if self.native:
             state = fuse_moe_experts(state)
             if self.tied:  # the file holds the shared embedding once
-                state["lm_head.weight"] = state["model.embed_tokens.weight"]
+                head, embed = state.get("lm_head.weight"), state["model.embed_tokens.weight"]
+                if head is not None and not torch.equal(head, embed):
+                    raise ValueError(f"{self.checkpoint_dir}: lm_head.weight differs from "
+                                     f"model.embed_tokens.weight, but config.json ties them "
+                                     f"(tie_word_embeddings=true); untie them to keep the head")
+                state["lm_head.weight"] = embed
             return {MODEL_KEY: state}
         return {MODEL_KEY: hf_to_ours(state, tied=self.tied)}
 
@@ -72,6 +79,7 @@ class Qwen3HFCheckpointer:
             if src.is_file() and not src.name.startswith("model") and src.suffix in (
                     ".json", ".txt", ".model", ".jinja"):
                 shutil.copy2(src, partial / src.name)
+        _set_saved_dtype(partial / "config.json", state)
         sync(partial)  # on the disk before it takes the final name
         if folder.exists():  # this step saved before (a resumed run): the new one replaces it
             folder.rename(replaced)
@@ -81,3 +89,18 @@ class Qwen3HFCheckpointer:
         path = folder / path.name
         log.info("saved %s (%.2f GiB)", path, path.stat().st_size / 2**30)
         return folder
+
+
+def _set_saved_dtype(config: Path, state: dict) -> None:
+    """The copied config.json names the dtype the weights were saved in (a bf16 source trained
+    and saved in fp32 would otherwise be loaded by from_pretrained() in bf16, rounded)."""
+    if not config.is_file():
+        return
+    dtypes = {v.dtype for v in state.values() if torch.is_floating_point(v)}
+    if len(dtypes) != 1:
+        return
+    cfg = json.loads(config.read_text())
+    name = str(dtypes.pop()).removeprefix("torch.")
+    for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+        cfg[key] = name
+    config.write_text(json.dumps(cfg, indent=2))

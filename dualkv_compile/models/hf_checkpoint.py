@@ -65,14 +65,15 @@ def ours_to_hf(state: dict) -> dict:
 
 def _rope_theta(cfg: dict) -> float:
     """transformers 5 keeps it in rope_parameters, 4.x at the top level; only the default
-    (unscaled) rope type is supported."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    (unscaled) rope type is supported. rope_scaling, where present, wins over rope_parameters
+    as in transformers; without either, transformers' default theta (10,000)."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kinds = rope_types(cfg)
     if kinds != {"default"}:
         kind = sorted(kinds - {"default"})[0]
         raise ValueError(f"rope_type={kind!r} is not supported by this Qwen3 builder (only "
                          f"'default')")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
 
 
 def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
@@ -85,7 +86,7 @@ def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
     kw = dict(vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
               num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
               embed_dim=cfg["hidden_size"], intermediate_dim=cfg["intermediate_size"],
-              head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+              head_dim=cfg.get("head_dim") or 128,  # Qwen3Config's default, not hidden / heads
               max_seq_len=cfg.get("max_position_embeddings", 40960),
               rope_base=_rope_theta(cfg), norm_eps=cfg.get("rms_norm_eps", 1e-6),
               tie_word_embeddings=cfg.get("tie_word_embeddings", False))
@@ -124,10 +125,10 @@ def read_hf_state(directory: str | Path) -> dict:
 
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").is_file():
+    if (directory / "model.safetensors").is_file():  # transformers' order: the single file first
         files = ["model.safetensors"]
+    elif index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
                                 f"{directory}")
@@ -149,6 +150,9 @@ def write_hf_state(state: dict, directory: str | Path, *, rename: bool = True) -
     from safetensors.torch import save_file
 
     directory = Path(directory)
+    if (directory / "model.safetensors.index.json").is_file():
+        raise FileExistsError(f"{directory} holds a sharded checkpoint "
+                              f"(model.safetensors.index.json); write into another folder")
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in state.items()}
     save_file(ours_to_hf(state) if rename else state, str(directory / "model.safetensors"),
@@ -172,6 +176,11 @@ def fuse_moe_experts(state: dict) -> dict:
         else:
             out[name] = value
     for prefix, by_index in experts.items():
+        for i in range(max(by_index) + 1):
+            missing = sorted({"gate_proj", "up_proj", "down_proj"} - set(by_index.get(i, {})))
+            if missing:
+                raise KeyError(f"the checkpoint lacks {prefix}.{i}.{{{','.join(missing)}}}"
+                               f".weight")
         order = [by_index[i] for i in range(len(by_index))]
         out[f"{prefix}.gate_up_proj"] = torch.stack(
             [torch.cat([e["gate_proj"], e["up_proj"]]) for e in order])

@@ -82,7 +82,7 @@ def grouped_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
     out = _grouped_linear(F.silu(gate) * up, down_proj, counts, grouped)
     out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     unsorted = torch.empty_like(out).index_copy(0, order, out)  # back to (token, slot) order
-    return unsorted.view(s, k, -1).sum(1).to(hidden.dtype)
+    return unsorted.view(s, k, unsorted.shape[-1]).sum(1).to(hidden.dtype)  # s may be 0
 
 
 @torch.library.custom_op("dualkv::moe_experts", mutates_args=())
@@ -138,7 +138,7 @@ def grouped_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor,
     # back to (token, slot) order and summed over a token's k slots, as the forward sums (no
     # atomic adds in the output dtype)
     d_rows = torch.empty_like(d_rows).index_copy(0, order, d_rows)
-    d_hidden = d_rows.view(s, k, -1).sum(1).to(hidden.dtype)
+    d_hidden = d_rows.view(s, k, d_rows.shape[-1]).sum(1).to(hidden.dtype)
     return (d_hidden, d_weights.view(s, k).to(top_k_weights.dtype),
             _weight_grads(d_gate_up, rows, counts, grouped),
             _weight_grads(d_out, inner, counts, grouped))

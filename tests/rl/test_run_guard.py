@@ -118,6 +118,13 @@ def _config(**changes) -> dict:
     ({"updates_per_step": 3}, "groups_per_step (x): 8 must split into 1 rank(s) x "
                               "updates_per_step=3 x whole micro-batches"),
     ({"temperature": float("inf")}, "temperature (x): inf must be a finite number >= 1e-05"),
+    ({"checkpointer": {"_component_": "dualkv_compile.models.Qwen3HFCheckpointer",
+                       "checkpoint_dir": "c", "output_dir": "o"},
+      "model": {"_component_": "dualkv_compile.models.qwen3_from_hf_config", "path": "c",
+                "rope_base": 5e5}},
+     # (merged into the tiny config's model section, whose keys stay)
+     "model (x): ['embed_dim', 'num_layers', 'rope_base', 'vocab_size'] override the "
+     "checkpoint's config.json"),
 ])
 def test_values_that_fail_together_are_refused_up_front(changes, message, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -1,0 +1,116 @@
+"""Config and checkpoint edges where the builders and the checkpointer once differed from
+transformers without a word: rope_scaling beside rope_parameters, fields left out of
+config.json, a sharded checkpoint under a new single file, the saved config's dtype, a tied
+Qwen3-MoE checkpoint whose head differs, a missing expert, and the grouped expert op on no
+tokens."""
+
+import json
+
+import pytest
+import torch
+
+import transformers as tf  # noqa: E402  (a test dependency)
+from dualkv_compile.models import Qwen3HFCheckpointer, qwen3_from_hf_config
+from dualkv_compile.models.hf_checkpoint import read_hf_state, write_hf_state
+
+
+def _dense_config(tmp_path, **changes):
+    cfg = tf.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=16).to_dict()
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_first_and_refused(tmp_path):
+    # transformers builds YaRN from rope_scaling even where rope_parameters says default
+    path = _dense_config(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 32})
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        qwen3_from_hf_config(path)
+
+
+def test_fields_left_out_take_transformers_defaults(tmp_path):
+    model = qwen3_from_hf_config(_dense_config(tmp_path, rope_parameters=None, rope_theta=None,
+                                               head_dim=None))
+    reference = tf.Qwen3Config.from_pretrained(tmp_path)
+    attn = model.layers[0].attn
+    assert attn.head_dim == reference.head_dim == 128
+    assert attn.pos_embeddings.base == reference.rope_parameters["rope_theta"] == 10_000.0
+
+
+def test_a_single_file_beside_a_sharded_checkpoint(tmp_path):
+    old = {"model.norm.weight": torch.zeros(4)}
+    new = {"model.norm.weight": torch.ones(4)}
+    from safetensors.torch import save_file
+
+    save_file(old, str(tmp_path / "shard-1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "shard-1.safetensors"}}))
+    with pytest.raises(FileExistsError, match="holds a sharded checkpoint"):
+        write_hf_state(new, tmp_path, rename=False)
+    save_file(new, str(tmp_path / "model.safetensors"))  # written by another tool
+    assert torch.equal(read_hf_state(tmp_path)["model.norm.weight"], new["model.norm.weight"])
+
+
+def test_the_saved_config_names_the_saved_dtype(tmp_path):
+    source = tmp_path / "source"
+    hf = tf.Qwen3ForCausalLM._from_config(tf.Qwen3Config(
+        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16)).to(torch.bfloat16)
+    hf.save_pretrained(source, safe_serialization=True)
+    assert json.loads((source / "config.json").read_text())["dtype"] == "bfloat16"
+    model = qwen3_from_hf_config(source).float()  # trained in fp32
+    ck = Qwen3HFCheckpointer(str(source), str(tmp_path / "out"))
+    folder = ck.save_checkpoint({"model": model.state_dict()}, epoch=1)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
+    again = tf.Qwen3ForCausalLM.from_pretrained(folder)
+    assert again.dtype == torch.float32
+
+
+def _moe_checkpoint(tmp_path, tied):
+    cfg = tf.Qwen3MoeConfig(vocab_size=12, hidden_size=16, moe_intermediate_size=8,
+                            num_experts=3, num_experts_per_tok=2, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                            tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM._from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path
+
+
+def test_a_tied_moe_checkpoint_whose_head_differs_is_refused(tmp_path):
+    folder = _moe_checkpoint(tmp_path, tied=True)
+    state = read_hf_state(folder)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1
+    (folder / "model.safetensors").unlink()
+    write_hf_state(state, folder, rename=False)
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        Qwen3HFCheckpointer(str(folder), str(tmp_path / "out")).load_checkpoint()
+
+
+def test_a_missing_expert_weight_is_named(tmp_path):
+    folder = _moe_checkpoint(tmp_path, tied=False)
+    state = read_hf_state(folder)
+    del state["model.layers.0.mlp.experts.1.up_proj.weight"]
+    (folder / "model.safetensors").unlink()
+    write_hf_state(state, folder, rename=False)
+    with pytest.raises(KeyError, match=r"model.layers.0.mlp.experts.1.\{up_proj\}.weight"):
+        Qwen3HFCheckpointer(str(folder), str(tmp_path / "out")).load_checkpoint()
+
+
+def test_the_grouped_expert_op_takes_no_tokens():
+    from dualkv_compile.models.moe_experts import moe_experts
+
+    hidden = torch.zeros(0, 16, dtype=torch.float64, requires_grad=True)
+    gate_up = torch.randn(3, 2 * 8, 16, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(3, 16, 8, dtype=torch.float64, requires_grad=True)
+    out = moe_experts(hidden, torch.zeros(0, 2, dtype=torch.long),
+                      torch.zeros(0, 2, dtype=torch.float64), gate_up, down)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert hidden.grad.shape == (0, 16) and (gate_up.grad == 0).all()
