@@ -130,8 +130,8 @@ class GRPORecipe:
             steps_per_graph=int(cfg.get("rollout_steps_per_graph", 16)))
         self.policy = dk.optimize(self.model, dcfg)
         self.reference = dk.optimize(self.ref_model, dcfg, share_compiles_with=self.policy)
-        self.loss_fn = config.instantiate(cfg.loss)
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        self.loss_fn = instantiate_checked("loss", cfg.loss)
+        self.optimizer = instantiate_checked("optimizer", cfg.optimizer, self.model.parameters())
         # sampling differs per rank; the task's prompt order is shared (see _sample_prompts)
         self.rng = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -327,6 +327,8 @@ class GRPORecipe:
                 self.stopped_by = stop.signum
                 if self.saved_step != self.step:  # (unless this step's was just written)
                     self.save_checkpoint()
+                bar.update()  # this step is done: the bar says so before the loop is left
+                bar.close()
                 if self.rank == 0:
                     print(f"stopped by signal {stop.signum} after step {self.step}; "
                           f"checkpoint in {self._checkpoint_path()}", flush=True)

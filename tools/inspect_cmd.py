@@ -90,6 +90,8 @@ def run_inspect(args, out=print) -> int:
 
     cpu = describe_attention_backend(torch.device("cpu"),
                                      requested="auto" if attention_kernel(asked).flex else asked)
+    if attention_kernel(asked).flex and asked != "auto":  # the CPU traces every flex kernel alike
+        cpu += f"; {asked!r} requested, a flex kernel, traced in its CPU form"
     out(f"attention kernel: {cpu}")
     if torch.cuda.is_available():
         head_dim = _head_dim(model)

@@ -142,7 +142,7 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
                    if n > 1)
     if split:
         counters["groups_split"] += len(split)
-        log_once(log, logging.INFO, f"micro-batches: groups {split} exceed max_tokens="
+        log_once(log, logging.WARNING, f"micro-batches: groups {split} exceed max_tokens="
                  f"{max_tokens} and are split; their prompt is recomputed once per micro-batch "
                  "(logged once; counters['groups_split'] counts such groups)",
                  key="micro-batches: groups split")

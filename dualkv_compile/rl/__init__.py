@@ -10,6 +10,7 @@ from ..rollout import generate_groups, plan_calls
 from .rollout_batch import rollout_batch
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
+from .update import StepStats, optimizer_step
 
 __all__ = [
     "CharTokenizer",
@@ -20,11 +21,13 @@ __all__ = [
     "MathJSONLTask",
     "RepeatLastLetterTask",
     "ScoredGroups",
+    "StepStats",
     "final_number",
     "forward_flops",
     "generate_groups",
     "group_advantages",
     "groups_with_signal",
+    "optimizer_step",
     "overlong_penalty",
     "peak_bf16_tflops",
     "plan_calls",

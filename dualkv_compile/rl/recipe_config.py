@@ -305,7 +305,8 @@ def split_problem(groups_per_step: int, ranks: int, micro_batch_groups: int, *,
 
 def instantiate_checked(section: str, target, *args, **kwargs):
     """torchtune's config.instantiate(target, *args, **kwargs), or target(*args, **kwargs) for
-    a callable: a missing file or folder becomes a ConfigError naming the config section."""
+    a callable: a missing file or folder, or a value the component refuses (its TypeError or
+    ValueError), becomes a ConfigError naming the config section."""
     try:
         if callable(target):
             return target(*args, **kwargs)
@@ -314,6 +315,8 @@ def instantiate_checked(section: str, target, *args, **kwargs):
         return config.instantiate(target, *args, **kwargs)
     except (FileNotFoundError, NotADirectoryError) as e:
         raise ConfigError([f"{section}: {e}"]) from None
+    except (TypeError, ValueError) as e:  # a value the component refuses (lr=abc, embed_dim=63)
+        raise ConfigError([f"{section}: {type(e).__name__}: {e}"]) from None
 
 
 def _config_path(argv: list[str]) -> str:

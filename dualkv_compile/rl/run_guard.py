@@ -235,7 +235,8 @@ class StopOnSignal:
             return
         self.signum, self._first_at = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-              "(send it again to stop at once)", flush=True)
+              f"(send it again, {self.again_after:g} s or more from now, to stop at once)",
+              flush=True)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

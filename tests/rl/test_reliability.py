@@ -219,3 +219,13 @@ def test_tune_run_prints_no_torchao_line_before_our_code_runs():
     proc = subprocess.run([sys.executable, "-c", "import torchtune._cli.tune"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("loss.aggregation=dr_grpo", "error: loss: ValueError: aggregation='dr_grpo' must be one of"),
+    ("optimizer.lr=abc", "error: optimizer: TypeError:"),
+])
+def test_a_value_a_component_refuses_is_a_config_error(tmp_path, override, message):
+    proc = tune(f"output_dir={tmp_path / 'run'}", "num_steps=1", override)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert any(x.startswith(message) for x in errors(proc)), errors(proc)
