@@ -39,10 +39,21 @@ def _embed_without_require_grads_hook(model, tokens):
     return out
 
 
+def _own_class(module) -> type:
+    """The module's class; for a module fully_shard wrapped, the class it wrapped (FSDP2 makes
+    FSDP<Name>(FSDPModule, Name))."""
+    from .fsdp import _fsdp_module_type
+
+    cls, fsdp = type(module), _fsdp_module_type()
+    if isinstance(module, fsdp):
+        cls = next((b for b in cls.__bases__ if b is not fsdp), cls)
+    return cls
+
+
 def _check_head(weight_module, name: str) -> None:
     """response_logprobs applies the head's weight itself (lm_head/), so the head must be a
     plain linear map: nn.Linear or torchtune's TiedLinear as they are, without a bias."""
-    kind = type(weight_module)
+    kind = _own_class(weight_module)
     if kind is not nn.Linear and f"{kind.__module__}.{kind.__name__}" != _TIED_LINEAR:
         raise ValueError(f"the LM head {name} is a {kind.__module__}.{kind.__name__}; "
                          f"response_logprobs applies the head as a plain linear map of its "
@@ -72,9 +83,7 @@ def _check_outside_modules(embedding, norm) -> None:
 
     for role, module, allowed in (("embedding", embedding, {"torch.nn.modules.sparse.Embedding"}),
                                   ("final norm", norm, _NORMS)):
-        cls = type(module)
-        if cls.__name__.startswith("FSDP"):  # fully_shard's class: FSDP<Name>(FSDPModule, Name)
-            cls = next((b for b in cls.__bases__ if b.__name__ != "FSDPModule"), cls)
+        cls = _own_class(module)
         kind = f"{cls.__module__}.{cls.__qualname__}"
         if kind not in allowed:
             raise Refusal(f"compile_region='layer' runs the model's {role} outside the traced "

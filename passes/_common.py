@@ -66,13 +66,13 @@ def _inplace_flag(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     try:
-        parameters = inspect.signature(node.target).parameters
+        signature = inspect.signature(node.target)
     except (TypeError, ValueError):  # builtins without a Python signature take no inplace
         return False
-    if "inplace" not in parameters:
+    if "inplace" not in signature.parameters:
         return False
     try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+        bound = signature.bind(*node.args, **node.kwargs).arguments
     except TypeError:
         return True
     return bound.get("inplace", False) is not False
@@ -97,24 +97,24 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
     when that memory is unknown; writes into memory no kept op reads (the model's own mask
     code, which the attention rewrite made dead) go with the rest."""
     nodes = list(graph.nodes)
-    writes: dict[int | None, list[fx.Node]] = {}
+    memory = {node: _storage(node) for node in nodes}
+    writes: dict[int | None, list[fx.Node]] = {}  # memory -> the ops writing into it
     for node in nodes:
         if may_write(node):
             target = node.kwargs.get("out", node.args[0] if node.args else None)
-            writes.setdefault(_storage(target), []).append(node)
-    inputs = {_storage(n) for n in nodes if n.op in ("placeholder", "get_attr")}
+            writes.setdefault(memory.get(target), []).append(node)
+    inputs = {memory[n] for n in nodes if n.op in ("placeholder", "get_attr")}
     stack = [n for n in nodes if n.op in ("placeholder", "output") or n.is_impure()]
-    stack += [w for memory, ws in writes.items() if memory is None or memory in inputs
-              for w in ws]
+    stack += [w for m, ws in writes.items() if m is None or m in inputs for w in ws]
     live: set[fx.Node] = set()
     while stack:
         node = stack.pop()
         if node in live:
             continue
         live.add(node)
-        for arg in node.all_input_nodes:
+        for arg in node.all_input_nodes:  # reading arg reads every write into its memory
             stack.append(arg)
-            stack += writes.get(_storage(arg), []) if _storage(arg) is not None else []
+            stack += writes.get(memory[arg], [])
     erased = 0
     for node in reversed(nodes):
         if node not in live and node.op in ("call_function", "call_method", "call_module",

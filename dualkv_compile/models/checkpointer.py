@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ..durable import sync, sync_entry
-from .hf_checkpoint import (fuse_moe_experts, hf_to_ours, read_hf_state, split_moe_experts,
-                            write_hf_state)
+from .hf_checkpoint import (check_tied_head, fuse_moe_experts, hf_to_ours, read_hf_state,
+                            split_moe_experts, write_hf_state)
 
 __all__ = ["Qwen3HFCheckpointer"]
 
@@ -48,12 +48,8 @@ class Qwen3HFCheckpointer:
         if self.native:
             state = fuse_moe_experts(state)
             if self.tied:  # the file holds the shared embedding once
-                head, embed = state.get("lm_head.weight"), state["model.embed_tokens.weight"]
-                if head is not None and not torch.equal(head, embed):
-                    raise ValueError(f"{self.checkpoint_dir}: lm_head.weight differs from "
-                                     f"model.embed_tokens.weight, but config.json ties them "
-                                     f"(tie_word_embeddings=true); untie them to keep the head")
-                state["lm_head.weight"] = embed
+                check_tied_head(state)
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]
             return {MODEL_KEY: state}
         return {MODEL_KEY: hf_to_ours(state, tied=self.tied)}
 

@@ -49,14 +49,20 @@ def hf_to_ours(state: dict, *, tied: bool) -> dict:
     """Our names for a transformers state dict. A tied model takes its LM head from the
     embedding: an lm_head.weight that differs from it is an untied checkpoint, refused."""
     if tied:
-        head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
-        if head is not None and embed is not None and not torch.equal(head, embed):
-            raise ValueError("the checkpoint's lm_head.weight differs from its "
-                             "model.embed_tokens.weight, but the model ties them "
-                             "(tie_word_embeddings=True): build it with "
-                             "tie_word_embeddings=False to keep the trained LM head")
+        check_tied_head(state)
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     return {_rename(k, True): v for k, v in state.items()}
+
+
+def check_tied_head(state: dict) -> None:
+    """A tied model takes its LM head from the embedding: a transformers-named state dict
+    whose lm_head.weight differs from it is an untied checkpoint, refused."""
+    head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if head is not None and embed is not None and not torch.equal(head, embed):
+        raise ValueError("the checkpoint's lm_head.weight differs from its "
+                         "model.embed_tokens.weight, but the model ties them "
+                         "(tie_word_embeddings=True): build it with "
+                         "tie_word_embeddings=False to keep the trained LM head")
 
 
 def ours_to_hf(state: dict) -> dict:

@@ -35,8 +35,10 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, samples: int, pad_i
     gathered once for all calls, and a rank with G = 0 (no rows this round) still joins that
     gathering, returning empty tensors."""
     stops = tuple(stop_tokens)
+    # the prompt is what the engine samples from: pad_id only in leading and trailing runs
+    prompt_mask = prompt_mask_of(prompts, pad_id)
     if len(prompts):  # named by the caller's row here: each call's engine names its own rows
-        empty = (~prompt_mask_of(prompts, pad_id).any(1)).nonzero()[:, 0].tolist()
+        empty = (~prompt_mask.any(1)).nonzero()[:, 0].tolist()
         if empty:
             raise ValueError(f"prompts {empty} hold only pad_id={pad_id}")
     calls = plan_calls(prompts.shape[0], samples, rows_per_call) if len(prompts) else []
@@ -53,7 +55,6 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, samples: int, pad_i
     batch = prompts.repeat_interleave(samples, 0)
     is_stop = stop_mask(response, stops)
     before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0  # up to and with the first stop
-    # the prompt is what the engine sampled from: pad_id only in leading and trailing runs
-    mask = torch.cat([prompt_mask_of(batch, pad_id), before_stop], 1)
+    mask = torch.cat([prompt_mask.repeat_interleave(samples, 0), before_stop], 1)
     tokens = torch.where(mask, torch.cat([batch, response], 1), pad_id)
     return tokens, mask, before_stop.sum(1)
