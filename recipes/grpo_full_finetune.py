@@ -39,7 +39,7 @@ from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, p
                                              split_problem)
 from dualkv_compile.rl.run_guard import (RunLock, StopOnSignal, apply_config_changes,
                                          prepare_output_dir)
-from dualkv_compile.rl.rollout_batch import rollout_batch
+from dualkv_compile.rl.rollout_batch import rollout_batch, truncated_responses
 from dualkv_compile.rl.update import optimizer_step
 from dualkv_compile.rollout import RolloutEngine
 
@@ -95,6 +95,9 @@ class GRPORecipe:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = instantiate_checked("tokenizer", cfg.tokenizer)
         self.task = instantiate_checked("task", cfg.task, tokenizer=self.tokenizer)
+        if cfg.get("overlong_filter") and not self.tokenizer.stop_tokens:
+            raise ConfigError(["overlong_filter=true needs a tokenizer with stop tokens: "
+                               "without one every response is truncated"])
         with self.device:  # initialise on the device: random init of GPU-sized models is fast there
             self.model = instantiate_checked("model", cfg.model)
         # a torchtune checkpointer (e.g. dualkv_compile.models.Qwen3HFCheckpointer) loads the
@@ -236,6 +239,11 @@ class GRPORecipe:
             self.device, torch.promote_types(torch.float32, self.dtype))
         t_rollout = time.perf_counter()
         resp_mask = mask[:, p:]
+        truncated = truncated_responses(tokens, mask, prompt_len=p,
+                                        stop_tokens=self.tokenizer.stop_tokens)
+        # DAPO's overlong filtering (TRL's mask_truncated_completions): a truncated response
+        # leaves the loss, its reward still counts in its group's advantages
+        loss_mask = resp_mask & ~truncated[:, None] if cfg.get("overlong_filter") else resp_mask
         # logprobs of softmax(logits / T), the sampling distribution before top-k / top-p
         temp = cfg.temperature
         with torch.no_grad():
@@ -260,7 +268,8 @@ class GRPORecipe:
                 self.policy, self.loss_fn, self.optimizer, tokens[rows], mask[rows], p,
                 old[rows], ref[rows], advantages[rows], group_size=n, temperature=temp,
                 micro_batch_groups=cfg.micro_batch_groups, max_grad_norm=cfg.max_grad_norm,
-                max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and hi > lo))
+                max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and hi > lo),
+                loss_mask=loss_mask[rows])
             sums = [a + b / updates for a, b in zip(sums, stats)]
         loss_sum, kl_sum, clip_sum, grad_norm = sums
         t_end = time.perf_counter()
@@ -269,10 +278,12 @@ class GRPORecipe:
         # (with sequence aggregation the step-1 loss is ~0 by construction: ratio 1 and
         # zero-mean advantages per group; token aggregation weighs longer responses more)
         (loss_sum, kl_sum, clip_sum, logprob_sum, total_tokens, reward_sum, n_groups,
-         sampled_sum, n_sampled, length_sum, replicated, packed_tokens, flops) = ddp.all_sum(
+         sampled_sum, n_sampled, length_sum, truncated_sum, replicated, packed_tokens,
+         flops) = ddp.all_sum(
             loss_sum, kl_sum, clip_sum, (old * resp_mask).sum() * counted,
             resp_mask.sum() * counted, rewards.sum() * counted, rewards.shape[0] * counted,
-            sampled.sum(), sampled.numel(), lengths.sum() * counted, packed.replicated_tokens,
+            sampled.sum(), sampled.numel(), lengths.sum() * counted,
+            truncated.sum() * counted, packed.replicated_tokens,
             packed.num_tokens, policy_update_flops(self.model, packed))
         step_time, rollout_time, update_time, rollout_peak, update_peak = ddp.all_max(
             t_end - t0, t_rollout - t0, t_end - t_rollout, rollout_peak,
@@ -287,6 +298,7 @@ class GRPORecipe:
                 "kl": kl_sum, "clip_fraction": clip_sum, "grad_norm": grad_norm,
                 "response_logprob": logprob_sum / max(total_tokens, 1.0),
                 "response_length": length_sum / (n_groups * cfg.group_size),
+                "truncated_fraction": truncated_sum / (n_groups * cfg.group_size),
                 "tokens_per_s": replicated / update_time, "rho": replicated / packed_tokens,
                 "step_time_s": step_time, "rollout_s": rollout_time,
                 "policy_update_s": update_time,

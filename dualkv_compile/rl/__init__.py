@@ -7,7 +7,7 @@ from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
 from .math_task import MathJSONLTask, final_number
 from ..rollout import generate_groups, plan_calls
-from .rollout_batch import rollout_batch
+from .rollout_batch import rollout_batch, truncated_responses
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
 from .update import StepStats, optimizer_step
@@ -34,4 +34,5 @@ __all__ = [
     "policy_update_flops",
     "rollout_batch",
     "scored_groups",
+    "truncated_responses",
 ]

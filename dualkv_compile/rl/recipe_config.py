@@ -103,6 +103,7 @@ GRPO_SCHEMA: dict[str, Any] = {
     "updates_per_step": Key("int", _at_least(1), required=False),
     "scale_advantages": Key("bool", required=False),
     "dynamic_sampling": Key("bool"),
+    "overlong_filter": Key("bool", required=False),
     "overlong": {"max_len": Key("int", _at_least(1)), "cache_len": Key("int", _at_least(0))},
     "save_every": Key("int", _at_least(0)),
     "save_final_checkpoint": Key("bool", required=False),

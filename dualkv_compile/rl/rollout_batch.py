@@ -19,7 +19,7 @@ from ..rollout import RolloutEngine, plan_calls, prompt_mask_of
 from ..rollout.sampling import stop_mask
 from ..rollout.weights import gathered_weights
 
-__all__ = ["rollout_batch"]
+__all__ = ["rollout_batch", "truncated_responses"]
 
 
 @torch.no_grad()
@@ -58,3 +58,12 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, samples: int, pad_i
     mask = torch.cat([prompt_mask.repeat_interleave(samples, 0), before_stop], 1)
     tokens = torch.where(mask, torch.cat([batch, response], 1), pad_id)
     return tokens, mask, before_stop.sum(1)
+
+
+def truncated_responses(tokens: Tensor, mask: Tensor, *, prompt_len: int,
+                        stop_tokens: Sequence[int]) -> Tensor:
+    """tokens, mask [B, P + T] as rollout_batch returns them -> bool [B]: the response ends
+    without a stop token, cut at max_generated_tokens (with no stop tokens, every response).
+    DAPO's overlong filtering keeps these out of the loss."""
+    response = tokens[:, prompt_len:]
+    return ~(stop_mask(response, tuple(stop_tokens)) & mask[:, prompt_len:]).any(1)

@@ -32,13 +32,15 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
                    mask: Tensor, prompt_len: int, old: Tensor, ref: Tensor, advantages: Tensor,
                    *, group_size: int, temperature: float, max_grad_norm: float,
                    micro_batch_groups: int = 1, max_tokens: int | None = None,
-                   counted: bool = True) -> StepStats:
+                   counted: bool = True, loss_mask: Tensor | None = None) -> StepStats:
     """policy: a DualKVModel; loss_fn: a GRPOLoss; tokens, mask [G*N, P+R] group-major;
     old, ref [G*N, R] logprobs (the sampling policy's and the reference's, at `temperature`);
     advantages [G*N]. counted=False runs the rows at weight 0 (a rank with nothing to train
-    on, which must still join the collectives)."""
+    on, which must still join the collectives). loss_mask [G*N, R]: the response tokens the
+    loss counts, a subset of mask[:, prompt_len:] (the default); DAPO's overlong filtering
+    passes it without the truncated responses, which still run through the model."""
     p = prompt_len
-    resp_mask = mask[:, p:]
+    resp_mask = mask[:, p:] if loss_mask is None else _checked_loss_mask(loss_mask, mask[:, p:])
     _, world_size = ddp.world()
     # rows are group-major by construction (rl.rollout_batch), so tokens are not passed for
     # the check, a host sync a step
@@ -81,3 +83,18 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepStats(loss_sum, kl_sum, clip_sum, float(grad_norm))
+
+
+def _checked_loss_mask(loss_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """loss_mask as the loss takes it, refused unless it is a bool subset of the response mask
+    (a token outside it has no logprob, but would count in the token normaliser)."""
+    if loss_mask.shape != response_mask.shape or loss_mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask must be bool of the responses' shape "
+                         f"{tuple(response_mask.shape)}, got {loss_mask.dtype} "
+                         f"{tuple(loss_mask.shape)}")
+    outside = loss_mask & ~response_mask
+    if outside.any():
+        row = int(outside.any(1).nonzero()[0])
+        raise ValueError(f"loss_mask marks tokens outside the padding mask's responses "
+                         f"(row {row}): a padding token has no logprob")
+    return loss_mask

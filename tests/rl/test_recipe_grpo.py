@@ -91,6 +91,34 @@ def test_dapo_config_on_and_off_agree(tmp_path):
     assert any(h["grad_norm"] > 1e-3 for h in on.history)
 
 
+def test_overlong_filtering_takes_truncated_responses_out_of_the_loss(tmp_path):
+    """overlong_filter=true (DAPO's overlong filtering): dualkv on and off agree, and the step
+    differs from the unfiltered one on the same samples (rl.optimizer_step's loss mask is
+    checked against the plain computation in test_optimizer_step.py)."""
+    config = ROOT / "recipes" / "configs" / "tiny_dapo.yaml"
+    on = run(tmp_path, "filter_on", config=config, num_steps=2, overlong_filter=True)
+    off = run(tmp_path, "filter_off", config=config, num_steps=2, overlong_filter=True,
+              **{"dualkv.enabled": False})
+    unfiltered = run(tmp_path, "unfiltered", config=config, num_steps=1)
+    for a, b in zip(on.history, off.history):
+        for key in ("loss", "kl", "clip_fraction", "grad_norm", "truncated_fraction"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    first, plain = on.history[0], unfiltered.history[0]
+    assert 0 < first["truncated_fraction"] < 1  # some responses stop, some are cut at 12
+    assert first["reward"] == plain["reward"]  # the same samples...
+    assert first["truncated_fraction"] == plain["truncated_fraction"]
+    assert abs(first["loss"] - plain["loss"]) > 1e-4  # ...with the cut ones left out
+
+
+def test_overlong_filtering_needs_stop_tokens(tmp_path):
+    from dualkv_compile.rl.recipe_config import ConfigError
+
+    # the shaped step config's tokenizer has no eos; the refusal comes before the 8B model
+    with pytest.raises(ConfigError, match="overlong_filter=true needs a tokenizer with stop "):
+        run(tmp_path, "no_stops", config=ROOT / "recipes" / "configs" / "qwen3_8b_shaped_step.yaml",
+            overlong_filter=True, device="cpu")
+
+
 def test_tune_run_entry_point(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(

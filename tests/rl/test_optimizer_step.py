@@ -1,0 +1,87 @@
+"""rl.optimizer_step with a loss mask (DAPO's overlong filtering) against the plain computation:
+the unmodified model row by row, GRPOLoss over its logprobs with the same mask (CPU, float64,
+1e-10); and rl.truncated_responses, which gives the rows to filter."""
+
+import copy
+
+import pytest
+import torch
+
+import dualkv_compile as dk
+from dualkv_compile.rl import GRPOLoss, optimizer_step, truncated_responses
+from dualkv_compile.testing import (make_batch, row_by_row_response_logprobs,
+                                    same_dtype_numerics, tiny_model)
+
+TOL = 1e-10
+FILTERED = [1, 4, 5]  # rows whose responses leave the loss
+
+
+def setup(aggregation):
+    g = torch.Generator().manual_seed(0)
+    tokens, mask, p = make_batch([7, 4, 9], [[5, 8], [2, 6], [8, 3]], vocab=90, generator=g)
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    with torch.no_grad():
+        base = row_by_row_response_logprobs(model, tokens, mask, p)
+    old = base + 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
+    ref = base - 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
+    adv = torch.randn(tokens.shape[0], generator=g, dtype=base.dtype)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.05, aggregation=aggregation)
+    return model, tokens, mask, p, old, ref, adv, loss_fn
+
+
+def step(model, tokens, mask, p, old, ref, adv, loss_fn, loss_mask):
+    """optimizer_step with SGD at lr 1 over 3 micro-batches: returns (stats, -update)."""
+    before = [q.detach().clone() for q in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    stats = optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, old, ref, adv,
+                           group_size=2, temperature=1.0, max_grad_norm=1e9,
+                           micro_batch_groups=1, loss_mask=loss_mask)
+    return stats, torch.cat([(b - q.detach()).flatten()
+                             for b, q in zip(before, model.parameters())])
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+def test_a_loss_mask_takes_rows_out_of_the_loss_and_its_normaliser(aggregation):
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup(aggregation)
+    loss_mask = mask[:, p:].clone()
+    loss_mask[FILTERED] = False
+    plain = copy.deepcopy(model)
+    stats, update = step(model, tokens, mask, p, old, ref, adv, loss_fn, loss_mask)
+
+    lp = row_by_row_response_logprobs(plain, tokens, mask, p)
+    loss, _ = loss_fn(lp, old, ref, adv, loss_mask)
+    loss.backward()
+    grad = torch.cat([q.grad.flatten() for q in plain.parameters()])
+    assert abs(stats.loss - loss.item()) <= TOL * max(1.0, abs(loss.item()))
+    assert (update - grad).norm() <= TOL * grad.norm()
+
+    # the filtered rows did weigh: without the mask the step differs
+    _, unfiltered = step(copy.deepcopy(plain), tokens, mask, p, old, ref, adv, loss_fn, None)
+    assert (unfiltered - update).norm() > 1e-3 * grad.norm()
+
+
+def test_a_loss_mask_outside_the_responses_or_of_another_shape_is_refused():
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("token")
+    outside = mask[:, p:].clone()
+    outside[2, -1] = True  # row 2's response is 6 tokens of 8
+    with pytest.raises(ValueError, match=r"outside the padding mask's responses \(row 2\)"):
+        step(model, tokens, mask, p, old, ref, adv, loss_fn, outside)
+    with pytest.raises(ValueError, match=r"loss_mask must be bool of the responses' shape"):
+        step(model, tokens, mask, p, old, ref, adv, loss_fn, mask[:, p:].float())
+
+
+def test_truncated_responses_end_without_a_stop_token():
+    eos, pad = 1, 1  # pad = eos, as in many tokenizers
+    # prompt 3 tokens (row 3 holds eos in its prompt); responses of width 4
+    tokens = torch.tensor([[5, 6, 7, 2, eos, pad, pad],   # stops at its 2nd token
+                           [5, 6, 7, 2, 3, 4, 2],         # cut at the cap
+                           [5, 6, 7, 2, 3, 4, eos],       # stops at the last position
+                           [eos, 6, 7, 3, 3, 3, 3]])      # eos only in the prompt: cut
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1] * 7, [1] * 7, [1] * 7], dtype=torch.bool)
+    cut = truncated_responses(tokens, mask, prompt_len=3, stop_tokens=[eos])
+    assert cut.tolist() == [False, True, False, True]
+    # a stop token after the mask's end is not the response's
+    assert truncated_responses(tokens, mask & (torch.arange(7) < 6), prompt_len=3,
+                               stop_tokens=[eos]).tolist() == [False, True, True, True]
+    # with no stop tokens every response is cut at the cap
+    assert truncated_responses(tokens, mask, prompt_len=3, stop_tokens=()).all()
