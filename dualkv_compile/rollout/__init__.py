@@ -6,9 +6,10 @@ graphs across calls (the recipe does)."""
 
 from .attention import decode_attention
 from .cache import RolloutCache, prompt_bucket
-from .engine import RolloutEngine, prompt_mask_of
+from .engine import RolloutEngine
 from .forward import SUPPORTED_FAMILIES, decoder_for
 from .plan import generate_groups, plan_calls
+from .prompts import prompt_mask_of
 from .sampling import SamplingParams, sample
 
 __all__ = [

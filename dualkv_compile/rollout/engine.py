@@ -15,9 +15,10 @@ host sync). A row's tokens after its stop token are pad_id.
 
 Compiles: one per (rows, groups, prompt capacity bucket, T, dtype, sampling settings); graphs
 are captured per chunk length and generator, and again when the weights move to new storage.
-The engine holds one workspace (cache, compiled step, graphs). A call of the same shape whose
-prompts fit the held prompt capacity with at most 2x padding reuses it: the capacity only
-grows, so the calls of a ragged batch, whose prompt buckets vary, do not rebuild it each time.
+The engine holds a workspace (cache, compiled step, graphs) for each of its last
+`max_workspaces` call shapes. A call of a held shape whose prompts fit the held prompt capacity
+with at most 2x padding reuses it: the capacity only grows, so the calls of a ragged batch,
+whose prompt buckets vary, do not rebuild it each time.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from .attention import IMPLEMENTATIONS, split_lengths
 from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
 from .graphs import StepGraph, warm_up, weights_fingerprint
+from .prompts import checked_prompts
 from ..arguments import integer_arg
 from .sampling import SamplingParams, draw_noise, sample, stop_ids, stop_mask
 from .step import make_decode_step, prefill
 from .weights import gathered_weights
 
-__all__ = ["RolloutEngine", "prompt_mask_of"]
+__all__ = ["RolloutEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +53,6 @@ log = logging.getLogger(__name__)
 _KEY_LIMIT = 256
 # KV-cache dtypes: the attention and its log-sum-exp merge compute in floating point
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def prompt_mask_of(prompts: Tensor, pad_id: int) -> Tensor:
-    """prompts [G, P] -> [G, P] bool, True at each prompt's tokens: those from its first to its
-    last token that is not pad_id. Padding is a leading (left) and/or trailing (right) run of
-    pad_id; a pad_id between real tokens is one of them. A row of only pad_id is all False."""
-    real = prompts != pad_id
-    cols = torch.arange(prompts.shape[1], device=prompts.device)
-    first = real.to(torch.int8).argmax(1, keepdim=True)  # argmax: the first maximum
-    last = prompts.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(1, keepdim=True)
-    return (cols >= first) & (cols <= last) & real.any(1, keepdim=True)
 
 
 class _Key(NamedTuple):
@@ -151,7 +142,8 @@ class RolloutEngine:
         if dtype not in _CACHE_DTYPES:
             raise ValueError(f"dtype={dtype!r} (the KV cache's; default the weights') must be one "
                              f"of {_CACHE_DTYPES}")
-        compact, plen, pmax = self._check(prompts, prompt_mask, max_generated_tokens, pad_id, rng)
+        compact, plen, pmax = checked_prompts(prompts, prompt_mask, max_generated_tokens,
+                                             pad_id, rng, self.model, self.decoder)
         device = prompts.device
         on_cuda = device.type == "cuda"
         compiled = self.compile if self.compile is not None else on_cuda
@@ -213,8 +205,9 @@ class RolloutEngine:
         self._held.clear()
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V held by the last call's cache (0 before the first or after release)."""
-        return self._workspace.cache.kv_bytes() if self._workspace else 0
+        """Bytes of K/V the held caches hold, every held call shape's (0 before the first call
+        or after release)."""
+        return sum(ws.cache.kv_bytes() for ws in self._held.values())
 
     @property
     def _workspace(self) -> _Workspace | None:
@@ -238,48 +231,6 @@ class RolloutEngine:
             log_once(log, logging.WARNING, f"rollout decode attention runs as flex calls with "
                      f"Inductor's merges, not the Triton kernels (slower): {why}")
         return "triton" if runs else "flex"
-
-    def _check(self, prompts, mask, t, pad_id, rng):
-        """Refuse bad prompts (and mask, rng) by name before anything runs on them; return the
-        prompts with their tokens first, in order, padded with pad_id ([G, P]), their lengths
-        [G] and the longest."""
-        if not (isinstance(prompts, Tensor) and prompts.dim() == 2 and prompts.shape[0] >= 1
-                and prompts.shape[1] >= 1 and prompts.dtype in (torch.long, torch.int32)):
-            raise ValueError(f"prompts {_describe(prompts)} must be [G, P] integer token ids, "
-                             "G >= 1, P >= 1")
-        if rng is not None and not isinstance(rng, torch.Generator):
-            raise ValueError(f"rng={rng!r} must be a torch.Generator (e.g. "
-                             f"torch.Generator(device).manual_seed(seed)) or None")
-        weights = next(self.model.parameters()).device
-        if prompts.device != weights:  # caught here, not as a device error inside the prefill
-            raise ValueError(f"prompts are on {prompts.device}, the model on {weights}; move the "
-                             "prompts to the model's device")
-        if rng is not None and rng.device.type != prompts.device.type:
-            raise ValueError(f"rng is on {rng.device}, the prompts on {prompts.device}; pass a "
-                             f"generator of the prompts' device")
-        if mask is not None and not (isinstance(mask, Tensor) and mask.dtype == torch.bool and
-                                     mask.shape == prompts.shape and mask.device == prompts.device):
-            raise ValueError(f"prompt_mask {_describe(mask)} must be a bool tensor shaped and "
-                             f"placed like the prompts, {_describe(prompts)}")
-        valid = prompt_mask_of(prompts, pad_id) if mask is None else mask
-        plen = valid.sum(1)
-        empty = (plen == 0).nonzero()[:, 0].tolist()
-        if empty:
-            raise ValueError(f"prompts {empty} hold only pad_id={pad_id}" if mask is None else
-                             f"prompts {empty} have no token: prompt_mask is False throughout")
-        tokens = prompts[valid]  # the ones the model reads (not those under a False mask)
-        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read
-        vocab = self.decoder.vocab_size
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"prompts hold token id {lo if lo < 0 else hi}, outside the "
-                             f"model's vocabulary [0, {vocab})")
-        pmax = int(plen.max())
-        if pmax + t > self.decoder.max_seq_len:
-            raise ValueError(f"a prompt of {pmax} tokens + max_generated_tokens={t} exceeds the "
-                             f"model's context of {self.decoder.max_seq_len}")
-        # valid tokens first, in order (a stable sort of the padding flags), pad_id after them
-        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
-        return torch.where(valid, prompts.long(), pad_id).gather(1, order), plen, pmax
 
     # ---- buffers, compiles, graphs -----------------------------------------------------------
     def _held_capacity(self, key: _Key) -> _Key:
@@ -390,10 +341,6 @@ class RolloutEngine:
             self.stats["captures"] += 1
         return self._graph_gen
 
-
-def _describe(x) -> str:
-    return f"{tuple(x.shape)} {x.dtype} on {x.device}" if isinstance(x, Tensor) else \
-        f"({type(x).__name__})"
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

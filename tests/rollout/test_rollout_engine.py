@@ -391,5 +391,11 @@ def test_calls_alternating_between_two_shapes_keep_both_workspaces(max_workspace
         assert torch.equal(ours, theirs), i
     assert engine.stats["workspaces"] == allocated
     assert len(engine._held) == min(max_workspaces, 2)
+    # kv_bytes counts every held cache: the last call's (1 group, 2 rows) and, when two are
+    # held, the 2-group call's (4 rows)
+    caches = {ws.cache.rows: ws.cache for ws in engine._held.values()}
+    assert sorted(caches) == ([2, 4] if max_workspaces == 2 else [2])
+    assert all(c.kv_bytes() > 0 for c in caches.values())
+    assert engine.kv_bytes() == sum(c.kv_bytes() for c in caches.values())
     engine.release()
     assert not engine._held and engine.kv_bytes() == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dualkv_compile.rollout import RolloutEngine
-from dualkv_compile.rollout.engine import prompt_mask_of
+from dualkv_compile.rollout import prompt_mask_of
 from dualkv_compile.rollout.reference import reference_generate
 from test_rollout_engine import PAD, VOCAB, model_of, ragged_prompts
 

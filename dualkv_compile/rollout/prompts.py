@@ -1,0 +1,69 @@
+"""A rollout call's prompts: which tokens are the prompt (`prompt_mask_of`), and the checks
+and reordering the engine applies before anything runs on them (`checked_prompts`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["checked_prompts", "prompt_mask_of"]
+
+
+def prompt_mask_of(prompts: Tensor, pad_id: int) -> Tensor:
+    """prompts [G, P] -> [G, P] bool, True at each prompt's tokens: those from its first to its
+    last token that is not pad_id. Padding is a leading (left) and/or trailing (right) run of
+    pad_id; a pad_id between real tokens is one of them. A row of only pad_id is all False."""
+    real = prompts != pad_id
+    cols = torch.arange(prompts.shape[1], device=prompts.device)
+    first = real.to(torch.int8).argmax(1, keepdim=True)  # argmax: the first maximum
+    last = prompts.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(1, keepdim=True)
+    return (cols >= first) & (cols <= last) & real.any(1, keepdim=True)
+
+
+def checked_prompts(prompts: Tensor, mask: Tensor | None, t: int, pad_id: int, rng,
+                    model: torch.nn.Module, decoder) -> tuple[Tensor, Tensor, int]:
+    """Refuse bad prompts (and mask, rng) by name before anything runs on them; return the
+    prompts with their tokens first, in order, padded with pad_id ([G, P]), their lengths
+    [G] and the longest."""
+    if not (isinstance(prompts, Tensor) and prompts.dim() == 2 and prompts.shape[0] >= 1
+            and prompts.shape[1] >= 1 and prompts.dtype in (torch.long, torch.int32)):
+        raise ValueError(f"prompts {describe(prompts)} must be [G, P] integer token ids, "
+                         "G >= 1, P >= 1")
+    if rng is not None and not isinstance(rng, torch.Generator):
+        raise ValueError(f"rng={rng!r} must be a torch.Generator (e.g. "
+                         f"torch.Generator(device).manual_seed(seed)) or None")
+    weights = next(model.parameters()).device
+    if prompts.device != weights:  # caught here, not as a device error inside the prefill
+        raise ValueError(f"prompts are on {prompts.device}, the model on {weights}; move the "
+                         "prompts to the model's device")
+    if rng is not None and rng.device.type != prompts.device.type:
+        raise ValueError(f"rng is on {rng.device}, the prompts on {prompts.device}; pass a "
+                         f"generator of the prompts' device")
+    if mask is not None and not (isinstance(mask, Tensor) and mask.dtype == torch.bool and
+                                 mask.shape == prompts.shape and mask.device == prompts.device):
+        raise ValueError(f"prompt_mask {describe(mask)} must be a bool tensor shaped and "
+                         f"placed like the prompts, {describe(prompts)}")
+    valid = prompt_mask_of(prompts, pad_id) if mask is None else mask
+    plen = valid.sum(1)
+    empty = (plen == 0).nonzero()[:, 0].tolist()
+    if empty:
+        raise ValueError(f"prompts {empty} hold only pad_id={pad_id}" if mask is None else
+                         f"prompts {empty} have no token: prompt_mask is False throughout")
+    tokens = prompts[valid]  # the ones the model reads (not those under a False mask)
+    lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read
+    vocab = decoder.vocab_size
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"prompts hold token id {lo if lo < 0 else hi}, outside the "
+                         f"model's vocabulary [0, {vocab})")
+    pmax = int(plen.max())
+    if pmax + t > decoder.max_seq_len:
+        raise ValueError(f"a prompt of {pmax} tokens + max_generated_tokens={t} exceeds the "
+                         f"model's context of {decoder.max_seq_len}")
+    # valid tokens first, in order (a stable sort of the padding flags), pad_id after them
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    return torch.where(valid, prompts.long(), pad_id).gather(1, order), plen, pmax
+
+
+def describe(x) -> str:
+    return f"{tuple(x.shape)} {x.dtype} on {x.device}" if isinstance(x, Tensor) else \
+        f"({type(x).__name__})"
