@@ -18,6 +18,7 @@ from .adapters import adapter_for
 from .backend import DualKVBackend
 from .attention.registry import attention_kernel
 from .config import DualKVConfig
+from .forward_args import row_positions, split_forward_args
 from .lm_head.gather_rows import gather_rows
 from .layout.inputs import layout_anchor, layout_tables
 from .lm_head.logprobs import chunked_logprobs, chunked_token_loss
@@ -238,65 +239,6 @@ class DualKVModel(nn.Module):
         return pack(tokens, prompt_len=prompt_len, padding_mask=padding_mask,
                     pad_to=self.config.pad_to, bucket_growth=self.config.bucket_growth)
 
-    @staticmethod
-    def _row_positions(padding_mask: Tensor) -> Tensor:
-        return (padding_mask.long().cumsum(1) - 1).clamp_min(0)
-
-    def _split_forward_args(self, args, kwargs):
-        """(tokens, padding_mask) from the model's own calling convention: torchtune's mask or
-        transformers' attention_mask, or padding_mask=, or both if they agree."""
-        if len(args) > 1:  # transformers' positional attention_mask was silently ignored
-            raise ValueError(f"pass only the tokens positionally, got {len(args)} arguments")
-        kwargs = dict(kwargs)
-        tt = self._adapter.name == "torchtune"
-        tokens = args[0] if args else kwargs.pop("tokens" if tt else "input_ids", None)
-        positions = kwargs.pop("input_pos" if tt else "position_ids", None)
-        name = "mask" if tt else "attention_mask"
-        masks = [kwargs.pop(name, None), kwargs.pop("padding_mask", None)]
-        if tt and masks[0] is not None:
-            masks[0] = self._padding_from_torchtune_mask(masks[0], positions)
-        if not tt:
-            kwargs.pop("use_cache", None)
-        masks = [as_padding_mask(m) for m in masks if m is not None]
-        if len(masks) == 2 and not torch.equal(*masks):
-            raise ValueError(f"{name} and padding_mask describe different padding")
-        padding_mask = masks[0] if masks else None
-        if kwargs:  # inputs_embeds among them: packing needs the token ids
-            raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
-        self._check_tokens(tokens)
-        if positions is not None:
-            mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
-            expected = self._row_positions(mask)
-            if not torch.equal(torch.where(mask, positions, 0), torch.where(mask, expected, 0)):
-                raise ValueError("the given positions differ from 0.. over each row's valid "
-                                 "tokens, which is what the packed layout uses")
-        return tokens, padding_mask
-
-    def _padding_from_torchtune_mask(self, mask: Tensor, positions: Tensor | None) -> Tensor:
-        """torchtune's [B, L, L] mask (get_causal_mask_from_padding_mask: causal over valid keys,
-        diagonal forced True) -> the [B, L] padding mask. Its last row gives every column but
-        the last; whether the last column is padding only input_pos tells (padding has 0)."""
-        if mask.dim() != 3 or mask.shape[1] != mask.shape[2] or mask.dtype != torch.bool:
-            raise ValueError(f"mask must be torchtune's bool [B, L, L] causal mask, got "
-                             f"{tuple(mask.shape)} {mask.dtype}")
-        if positions is None:
-            raise ValueError("with torchtune's mask, pass input_pos as well: only the positions "
-                             "tell whether the last column is padding (or pass padding_mask=)")
-        padding = mask[:, -1, :].clone()
-        if mask.shape[1] > 1:
-            padding[:, -1] = positions[:, -1] > 0
-            lone = (~padding[:, :-1].any(1)).nonzero()[:, 0].tolist()
-            if lone:  # its position is 0 whether it is a token or padding
-                raise ValueError(f"rows {lone} of torchtune's mask have no token before the last "
-                                 "column, so mask and input_pos cannot tell whether that column "
-                                 "is a token or padding; pass padding_mask= instead")
-        expected = self._adapter.replicated_mask(padding)
-        if not torch.equal(mask, expected):
-            raise ValueError("mask is not a causal padding mask as torchtune's "
-                             "get_causal_mask_from_padding_mask builds it; only causal attention "
-                             "can share a prompt")
-        return padding
-
     # ---- public API -----------------------------------------------------------------------
     def forward(self, *args, prompt_len: int, **kwargs):
         """Drop-in for the model's forward on a replicated batch, plus `prompt_len`: torchtune's
@@ -304,12 +246,12 @@ class DualKVModel(nn.Module):
         position_ids). Returns
         logits [B, L, V] (torchtune) or the transformers output with `.logits` [B, L, V];
         padding positions hold 0."""
-        tokens, padding_mask = self._split_forward_args(args, kwargs)
+        tokens, padding_mask = split_forward_args(self._adapter, args, kwargs, self._check_tokens)
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
 
         def dense():
             self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
-            hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
+            hidden = self._adapter.body(self.model, tokens, row_positions(mask),
                                         self._adapter.replicated_mask(mask))
             return self._adapter.head(self.model, hidden) * mask[..., None]
 
@@ -382,7 +324,7 @@ class DualKVModel(nn.Module):
 
         def dense():
             pb = self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
-            hidden = self._adapter.body(self.model, tokens, self._row_positions(mask),
+            hidden = self._adapter.body(self.model, tokens, row_positions(mask),
                                         self._adapter.replicated_mask(mask))
             _, targets, dst, _ = predictions(tokens, mask, prompt_len, pb)
             rows = row_sources(mask, prompt_len, hidden.device)

@@ -1,0 +1,74 @@
+"""How the wrapper's forward reads a model's own calling convention: the tokens and padding
+mask from torchtune's (tokens, mask, input_pos) or transformers' (input_ids, attention_mask,
+position_ids), checked against what the packed layout assumes."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .layout.packing import as_padding_mask
+
+__all__ = ["padding_from_torchtune_mask", "row_positions", "split_forward_args"]
+
+
+def row_positions(padding_mask: Tensor) -> Tensor:
+    """[B, L] padding mask -> each token's position in its row (0.. over the valid tokens)."""
+    return (padding_mask.long().cumsum(1) - 1).clamp_min(0)
+
+
+def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Tensor | None]:
+    """(tokens, padding_mask) from the model's own calling convention: torchtune's mask or
+    transformers' attention_mask, or padding_mask=, or both if they agree."""
+    if len(args) > 1:  # transformers' positional attention_mask was silently ignored
+        raise ValueError(f"pass only the tokens positionally, got {len(args)} arguments")
+    kwargs = dict(kwargs)
+    tt = adapter.name == "torchtune"
+    tokens = args[0] if args else kwargs.pop("tokens" if tt else "input_ids", None)
+    positions = kwargs.pop("input_pos" if tt else "position_ids", None)
+    name = "mask" if tt else "attention_mask"
+    masks = [kwargs.pop(name, None), kwargs.pop("padding_mask", None)]
+    if tt and masks[0] is not None:
+        masks[0] = padding_from_torchtune_mask(adapter, masks[0], positions)
+    if not tt:
+        kwargs.pop("use_cache", None)
+    masks = [as_padding_mask(m) for m in masks if m is not None]
+    if len(masks) == 2 and not torch.equal(*masks):
+        raise ValueError(f"{name} and padding_mask describe different padding")
+    padding_mask = masks[0] if masks else None
+    if kwargs:  # inputs_embeds among them: packing needs the token ids
+        raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
+    check_tokens(tokens)
+    if positions is not None:
+        mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        expected = row_positions(mask)
+        if not torch.equal(torch.where(mask, positions, 0), torch.where(mask, expected, 0)):
+            raise ValueError("the given positions differ from 0.. over each row's valid "
+                             "tokens, which is what the packed layout uses")
+    return tokens, padding_mask
+
+
+def padding_from_torchtune_mask(adapter, mask: Tensor, positions: Tensor | None) -> Tensor:
+    """torchtune's [B, L, L] mask (get_causal_mask_from_padding_mask: causal over valid keys,
+    diagonal forced True) -> the [B, L] padding mask. Its last row gives every column but
+    the last; whether the last column is padding only input_pos tells (padding has 0)."""
+    if mask.dim() != 3 or mask.shape[1] != mask.shape[2] or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be torchtune's bool [B, L, L] causal mask, got "
+                         f"{tuple(mask.shape)} {mask.dtype}")
+    if positions is None:
+        raise ValueError("with torchtune's mask, pass input_pos as well: only the positions "
+                         "tell whether the last column is padding (or pass padding_mask=)")
+    padding = mask[:, -1, :].clone()
+    if mask.shape[1] > 1:
+        padding[:, -1] = positions[:, -1] > 0
+        lone = (~padding[:, :-1].any(1)).nonzero()[:, 0].tolist()
+        if lone:  # its position is 0 whether it is a token or padding
+            raise ValueError(f"rows {lone} of torchtune's mask have no token before the last "
+                             "column, so mask and input_pos cannot tell whether that column "
+                             "is a token or padding; pass padding_mask= instead")
+    expected = adapter.replicated_mask(padding)
+    if not torch.equal(mask, expected):
+        raise ValueError("mask is not a causal padding mask as torchtune's "
+                         "get_causal_mask_from_padding_mask builds it; only causal attention "
+                         "can share a prompt")
+    return padding
