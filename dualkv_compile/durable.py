@@ -1,13 +1,15 @@
 """Flush files to the disk before they are renamed into place: a rename is atomic, but without
 an fsync of the data first, a power loss just after it can leave the new name on an empty or
-partial file, and the previous checkpoint already gone."""
+partial file, and the previous checkpoint already gone. A write that fails (a full disk) is
+removed and explained (`write_failed`)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-__all__ = ["sync", "sync_entry"]
+__all__ = ["sync", "sync_entry", "write_failed"]
 
 
 def sync(path: Path) -> None:
@@ -33,3 +35,21 @@ def _sync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_failed(target: Path, partial: Path, error: BaseException) -> OSError:
+    """After writing `partial` (a file or folder meant to be renamed to `target`) failed:
+    remove it, and return an OSError that says why, how much space its disk has left and that
+    `target` is as it was (torch.save reports a full disk as "unexpected pos")."""
+    if partial.is_dir():
+        shutil.rmtree(partial, ignore_errors=True)
+    else:
+        partial.unlink(missing_ok=True)
+    try:
+        free = f"{shutil.disk_usage(partial.parent).free / 2**30:.2f} GiB free on its disk"
+    except OSError:
+        free = "its disk's free space unknown"
+    cause = (str(error).splitlines() or [""])[0][:200]
+    return OSError(f"{target} could not be written ({type(error).__name__}: {cause}); {free}; "
+                   f"the partial {partial.name} was removed and the previous {target.name}, if "
+                   "any, is unchanged")

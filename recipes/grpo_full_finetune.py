@@ -33,14 +33,14 @@ from tqdm import tqdm
 import dualkv_compile as dk
 from dualkv_compile.rl import (group_advantages, overlong_penalty, peak_bf16_tflops,
                                policy_update_flops, scored_groups)
-from dualkv_compile.durable import sync, sync_entry
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
-from dualkv_compile.rl.run_guard import (RunLock, StopOnSignal, apply_config_changes,
-                                         prepare_output_dir)
+from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal,
+                                         apply_config_changes, prepare_output_dir,
+                                         write_checkpoint)
 from dualkv_compile.rl.rollout_batch import rollout_batch, truncated_responses
-from dualkv_compile.rl.update import optimizer_step
+from dualkv_compile.rl.update import NonFiniteGradient, optimizer_step
 from dualkv_compile.rollout import RolloutEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -75,12 +75,12 @@ class GRPORecipe:
         try:
             self._setup()
         except BaseException:
-            self._release_lock()
+            self._release_lock(failed_setup=True)
             raise
 
-    def _release_lock(self):
+    def _release_lock(self, failed_setup: bool = False):
         if self.run_lock is not None:
-            self.run_lock.release()
+            self.run_lock.release(failed_setup=failed_setup)
 
     def _setup(self):
         cfg = self.cfg
@@ -91,7 +91,8 @@ class GRPORecipe:
             self._checkpoint_path(), resume=bool(cfg.resume_from_checkpoint),
             overwrite=bool(cfg.get("overwrite_output_dir", False)), num_steps=cfg.num_steps,
             world_size=self.world_size, config=self.plain_cfg, rank=self.rank,
-            weight_dirs=[Path(d) for d in [(cfg.get("checkpointer") or {}).get("output_dir")] if d])
+            weight_dirs=[Path(d) for d in [(cfg.get("checkpointer") or {}).get("output_dir")] if d],
+            log_dir=(cfg.get("metric_logger") or {}).get("log_dir"))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = instantiate_checked("tokenizer", cfg.tokenizer)
         self.task = instantiate_checked("task", cfg.task, tokenizer=self.tokenizer)
@@ -161,18 +162,14 @@ class GRPORecipe:
         self.saved_step = self.step  # on every rank: they decide alike whether to save again
         if self.rank != 0:
             return
-        # written aside, flushed to the disk, then renamed: a crash or power loss mid-write
-        # leaves the previous checkpoint whole, and a resumed run's memory-mapped read of the
-        # old file stays valid
-        path = self._checkpoint_path()
-        tmp = path.with_suffix(".tmp")
-        torch.save({"model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
-                    "task": self.task.state_dict(), "rngs": rngs, "config": self.plain_cfg}, tmp)
-        sync(tmp)
-        tmp.replace(path)
-        sync_entry(path)
+        write_checkpoint(self._checkpoint_path(), {
+            "model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
+            "task": self.task.state_dict(), "rngs": rngs, "config": self.plain_cfg})
         if self.checkpointer is not None:
-            self.checkpointer.save_checkpoint({"model": model}, epoch=self.step)
+            try:
+                self.checkpointer.save_checkpoint({"model": model}, epoch=self.step)
+            except OSError as e:  # a full disk (durable.write_failed says so)
+                raise RunFailed(f"step {self.step}: {e}") from e
 
     def _load_checkpoint(self):
         state, self.resume_state = self.resume_state, None  # read and checked in setup()
@@ -314,18 +311,23 @@ class GRPORecipe:
     def train(self):
         """Train to num_steps. SIGINT/SIGTERM end the run after the current step with a
         checkpoint; `stopped_by` then holds the signal (recipe_main exits 128 + it)."""
-        with StopOnSignal() as stop:
+        with StopOnSignal() as stop:  # also over the final save: a signal waits for it
             self._train(stop)
-        if (self.stopped_by is None and self.cfg.get("save_final_checkpoint", True)
-                and self.saved_step != self.step):  # (unless this step's was just written)
-            self.save_checkpoint()
+            if (self.stopped_by is None and self.cfg.get("save_final_checkpoint", True)
+                    and self.saved_step != self.step):  # (unless this step's was just written)
+                self.save_checkpoint()
 
     def _train(self, stop: StopOnSignal):
         start = self.step
         bar = tqdm(range(start, self.cfg.num_steps), initial=start, total=self.cfg.num_steps,
                    desc="grpo", file=sys.stdout, dynamic_ncols=True, disable=self.rank != 0)
         for _ in bar:
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except NonFiniteGradient as e:
+                raise RunFailed(f"step {self.step + 1}: {e}; nothing was saved from it, so "
+                                f"{self._checkpoint_path()}, if any, is the last good "
+                                "checkpoint") from e
             self.step += 1
             self.history.append({"step": self.step, **metrics})
             if self.metric_logger is not None:
@@ -375,7 +377,12 @@ def _peak_memory_gib(device: torch.device, reset: bool = False) -> float:
 def recipe_main(cfg: DictConfig) -> None:
     recipe = GRPORecipe(cfg)
     recipe.setup()
-    recipe.train()
+    try:
+        recipe.train()
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        recipe.cleanup()
+        return 1
     recipe.cleanup()
     if recipe.stopped_by is not None:
         return 128 + recipe.stopped_by  # the exit code of a process ended by that signal

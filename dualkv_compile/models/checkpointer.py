@@ -16,8 +16,9 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from ..durable import sync, sync_entry
+from ..durable import sync, sync_entry, write_failed
 from .hf_checkpoint import (check_tied_head, fuse_moe_experts, hf_to_ours, read_hf_state,
                             split_moe_experts, write_hf_state)
 
@@ -70,13 +71,16 @@ class Qwen3HFCheckpointer:
         if self.native:
             state = split_moe_experts({k: v for k, v in state.items()
                                        if not (self.tied and k == "lm_head.weight")})
-        path = write_hf_state(state, partial, rename=not self.native)
-        for src in self.checkpoint_dir.iterdir():  # config, generation config, tokenizer
-            if src.is_file() and not src.name.startswith("model") and src.suffix in (
-                    ".json", ".txt", ".model", ".jinja"):
-                shutil.copy2(src, partial / src.name)
-        _set_saved_dtype(partial / "config.json", state)
-        sync(partial)  # on the disk before it takes the final name
+        try:
+            path = write_hf_state(state, partial, rename=not self.native)
+            for src in self.checkpoint_dir.iterdir():  # config, generation config, tokenizer
+                if src.is_file() and not src.name.startswith("model") and src.suffix in (
+                        ".json", ".txt", ".model", ".jinja"):
+                    shutil.copy2(src, partial / src.name)
+            _set_saved_dtype(partial / "config.json", state)
+            sync(partial)  # on the disk before it takes the final name
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: no partial left
+            raise write_failed(folder, partial, e) from e
         if folder.exists():  # this step saved before (a resumed run): the new one replaces it
             folder.rename(replaced)
         partial.rename(folder)

@@ -11,6 +11,16 @@ def tiny_decoder(*, vocab_size: int, embed_dim: int = 64, num_layers: int = 2,
     import torch
     from torchtune.models.qwen2._component_builders import qwen2
 
+    from ..arguments import integer_arg
+
+    for name, value in [("vocab_size", vocab_size), ("embed_dim", embed_dim),
+                        ("num_layers", num_layers), ("num_heads", num_heads),
+                        ("num_kv_heads", num_kv_heads), ("intermediate_dim", intermediate_dim),
+                        ("max_seq_len", max_seq_len)]:
+        integer_arg(name, value, 1)
+    if embed_dim % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"embed_dim={embed_dim} must split into num_heads={num_heads} heads, "
+                         f"and num_heads into num_kv_heads={num_kv_heads} groups")
     model = qwen2(vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads,
                   num_kv_heads=num_kv_heads, embed_dim=embed_dim,
                   intermediate_dim=intermediate_dim, max_seq_len=max_seq_len,

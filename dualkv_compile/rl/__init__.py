@@ -10,7 +10,7 @@ from ..rollout import generate_groups, plan_calls
 from .rollout_batch import rollout_batch, truncated_responses
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
-from .update import StepStats, optimizer_step
+from .update import NonFiniteGradient, StepStats, optimizer_step
 
 __all__ = [
     "CharTokenizer",
@@ -19,6 +19,7 @@ __all__ = [
     "HFTokenizer",
     "IdTokenizer",
     "MathJSONLTask",
+    "NonFiniteGradient",
     "RepeatLastLetterTask",
     "ScoredGroups",
     "StepStats",

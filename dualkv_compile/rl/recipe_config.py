@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ..attention.registry import KERNELS
 from ..rollout.sampling import MIN_TEMPERATURE
+from .component_types import parameter_kinds
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "instantiate_checked",
            "parse_checked", "split_problem"]
@@ -55,6 +56,10 @@ def _positive(v):
 def _temperature(v):
     return None if MIN_TEMPERATURE <= v < math.inf else \
         f"must be a finite number >= {MIN_TEMPERATURE} (the rollout's sampling)"
+
+
+def _not_nan(v):
+    return "is not a number (NaN)" if math.isnan(v) else None
 
 
 def _unit_interval(v):
@@ -223,9 +228,14 @@ class _Checker:
         loose = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         known = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD
                  and p.kind is not inspect.Parameter.VAR_POSITIONAL} - _SUPPLIED.get(path, set())
-        for name in value:
+        kinds = parameter_kinds(target)
+        for name, given in value.items():
             if name != "_component_" and name not in known:
                 self.unknown(f"{path}.{name}", known, warn=loose)
+            elif name in kinds:  # annotated int, float, bool or str: held to it, and no NaN
+                kind, nullable = kinds[name]
+                self.value(f"{path}.{name}", Key(kind, _not_nan if kind == "float" else None,
+                                                 nullable=nullable), given)
 
     def across(self, config: dict):
         """Checks that involve several keys (each key's own range is checked already)."""

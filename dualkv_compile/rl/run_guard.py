@@ -15,11 +15,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from ..durable import sync, sync_entry, write_failed
 from .recipe_config import ConfigError
 
-__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "RunLock", "StopOnSignal", "apply_config_changes",
+__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "SEEDS", "RunFailed", "RunLock", "StopOnSignal", "apply_config_changes",
            "check_output_dir", "check_resume_config", "config_changes", "load_checkpoint",
-           "prepare_output_dir", "read_resume_checkpoint", "set_aside"]
+           "prepare_output_dir", "read_resume_checkpoint", "set_aside", "write_checkpoint"]
 
 CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
 # config keys (and sections) a resumed run must share with its checkpoint: the saved weights and
@@ -27,6 +28,8 @@ CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
 RESUME_FIXED = ("model", "tokenizer", "optimizer._component_")
 # keys that say how this run starts, expected to differ from the checkpoint's run: not listed
 _RUN_CONTROL = ("resume_from_checkpoint", "overwrite_output_dir")
+# seeds: a resumed run restores the generators they seeded, so changing them does nothing
+SEEDS = ("seed", "task.seed")
 # keys that name where files are, not what they hold
 _LOCATIONS = ("path", "checkpoint_dir", "output_dir")
 
@@ -36,6 +39,10 @@ def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool,
     """A new run (not resuming) may not start where a checkpoint lies, nor write its trained
     weights where an earlier run's epoch_* folders lie (its checkpointer would replace them),
     unless told to."""
+    if resume and overwrite:
+        raise ConfigError(["resume_from_checkpoint=true and overwrite_output_dir=true ask for "
+                           "opposite things (continue the checkpoint, or move it aside and start "
+                           "over); set one of them"])
     if resume or overwrite:
         return
     if checkpoint.exists():
@@ -50,6 +57,35 @@ def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool,
                            "another folder, or overwrite_output_dir=true to move them aside"])
 
 
+class RunFailed(RuntimeError):
+    """A run ended by a problem found while it trained (a non-finite gradient, a checkpoint that
+    could not be written): the recipe prints it as one line and exits 1."""
+
+
+def write_checkpoint(path: Path, state: dict) -> None:
+    """The recipe's checkpoint (CHECKPOINT_KEYS and its config) at `path`: written aside,
+    flushed to the disk, then renamed, so that a crash, a power loss or a full disk mid-write
+    leaves the previous checkpoint whole (and a resumed run's memory-mapped read of it valid).
+    Model weights that are not finite are not written (RunFailed): a finite gradient can still
+    step a weight to inf, and the file would replace the last good checkpoint."""
+    import torch
+
+    step = state["step"]
+    bad = next((k for k, t in state["model"].items()
+                if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise RunFailed(f"step {step}: the weights hold non-finite values ({bad}); not saved, "
+                        f"so {path}, if any, is the last good checkpoint")
+    tmp = path.with_suffix(".tmp")
+    try:
+        torch.save(state, tmp)
+        sync(tmp)
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save says "unexpected pos"
+        raise RunFailed(f"step {step}: {write_failed(path, tmp, e)}") from e
+    tmp.replace(path)
+    sync_entry(path)
+
+
 class RunLock:
     """Held by one process (the recipe's rank 0) for a whole run: a second run started on the
     same output_dir is refused while the first lives, since its checkpoints would replace the
@@ -62,8 +98,13 @@ class RunLock:
     def __init__(self, output_dir: Path):
         import fcntl
 
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(output_dir / self.NAME, "a+")
+        self._dir, self._created = output_dir, not output_dir.exists()
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(output_dir / self.NAME, "a+")
+        except OSError as e:
+            raise ConfigError([f"output_dir={str(output_dir)!r} cannot be created or written "
+                               f"({e.strerror or e}: {e.filename or output_dir})"]) from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -79,10 +120,18 @@ class RunLock:
                          f"{datetime.now():%Y-%m-%d %H:%M:%S}\n")
         self._file.flush()
 
-    def release(self) -> None:
+    def release(self, *, failed_setup: bool = False) -> None:
+        """Drop the lock; after a failed setup, also the output_dir this lock created if it
+        holds nothing but the lock file (a refused run leaves no empty folder behind)."""
         if self._file is not None:
             self._file.close()  # closing drops the flock
             self._file = None
+            if failed_setup and self._created:
+                try:
+                    (self._dir / self.NAME).unlink()
+                    self._dir.rmdir()  # fails, and is left, if anything else is in it
+                except OSError:
+                    pass
 
 
 def set_aside(paths: list[Path]) -> list[Path]:
@@ -173,21 +222,24 @@ def read_resume_checkpoint(path: Path, *, num_steps: int, world_size: int,
 
 def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_steps: int,
                        world_size: int, config: dict, weight_dirs: list[Path],
-                       rank: int) -> tuple[dict | None, dict]:
+                       rank: int, log_dir: str | None = None) -> tuple[dict | None, dict]:
     """Before any work (and after rank 0 took the RunLock): check_output_dir; with resume,
     read_resume_checkpoint (returned: the state and the config changes); with overwrite, rank 0
-    moves the earlier run's checkpoint and the epoch_* folders of `weight_dirs` aside
-    (set_aside) and says where."""
+    moves the earlier run's checkpoint, the epoch_* folders of `weight_dirs` and the metric
+    logger's `log_dir` where it lies in output_dir aside (set_aside; a new run's TensorBoard
+    would otherwise show the old run's steps beside its own) and says where."""
     check_output_dir(checkpoint, resume=resume, overwrite=overwrite,
                      weight_dirs=tuple(weight_dirs))
     if resume:
         return read_resume_checkpoint(checkpoint, num_steps=num_steps, world_size=world_size,
                                       config=config)
     if overwrite and rank == 0:
-        earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*")))]
+        inside = log_dir and Path(log_dir).resolve().is_relative_to(checkpoint.parent.resolve())
+        earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*"))),
+                   *([Path(log_dir)] if inside else [])]
         made = set_aside(earlier)
         if made:
-            print(f"overwrite_output_dir=true: the earlier run's checkpoint and weights were "
+            print(f"overwrite_output_dir=true: the earlier run's checkpoint, weights and logs were "
                   f"moved to {', '.join(map(str, made))}", flush=True)
     return None, {}
 
@@ -201,7 +253,9 @@ def apply_config_changes(optimizer, changes: dict[str, tuple], *, step: int,
         print(f"resuming step {step} with settings changed since it was saved (the config's "
               "optimizer settings replace the checkpoint's; one the config no longer sets keeps "
               "the checkpoint's): " + "; ".join(
-                  f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()), flush=True)
+                  f"{k}: {old!r} -> {new!r}" + (" (no effect: the checkpoint's random states "
+                                                 "are restored)" if k in SEEDS else "")
+                  for k, (old, new) in changes.items()), flush=True)
     for key, (_, value) in changes.items():
         section, _, name = key.partition(".")
         if section == "optimizer" and "." not in name and value is not None:

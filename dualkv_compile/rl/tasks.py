@@ -14,6 +14,8 @@ import string
 import torch
 from torch import Tensor
 
+from ..arguments import integer_arg
+
 __all__ = ["CharTokenizer", "RepeatLastLetterTask", "SeededTask"]
 
 
@@ -67,8 +69,11 @@ class SeededTask:
 class RepeatLastLetterTask(SeededTask):
     def __init__(self, tokenizer: CharTokenizer, *, prompt_letters: int = 6, target_len: int = 8,
                  letters: str = "abcdefgh", seed: int = 0):
-        if not set(letters) <= set(tokenizer.alphabet):
-            raise ValueError(f"letters {letters!r} are not all in the tokenizer's alphabet")
+        if not set(letters) <= set(tokenizer.alphabet) or not letters:
+            raise ValueError(f"letters {letters!r} must be non-empty and in the tokenizer's "
+                             f"alphabet")
+        integer_arg("prompt_letters", prompt_letters, 1)
+        integer_arg("target_len", target_len, 1)
         super().__init__(seed)
         self.tokenizer, self.prompt_letters, self.target_len = tokenizer, prompt_letters, target_len
         self.letters = letters

@@ -10,6 +10,7 @@ Under FSDP2 every rank calls it alike; the normalisers are sums over all ranks."
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -18,7 +19,11 @@ from torch import Tensor
 from ..layout.plan import micro_batch_rows
 from . import distributed as ddp
 
-__all__ = ["StepStats", "optimizer_step"]
+__all__ = ["NonFiniteGradient", "StepStats", "optimizer_step"]
+
+
+class NonFiniteGradient(FloatingPointError):
+    """The update's gradient norm is NaN or infinite; the optimizer step was not taken."""
 
 
 class StepStats(NamedTuple):
@@ -80,9 +85,15 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), max_grad_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
+    grad_norm = float(grad_norm)  # over all ranks: every rank takes the same branch
+    if not math.isfinite(grad_norm):  # stepping would write NaN into every weight
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteGradient(f"the gradient norm is {grad_norm} (loss {loss_sum:.4g}): the "
+                                "optimizer step was not taken, the weights are those before it "
+                                "(a learning rate too high is the usual cause)")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_sum, kl_sum, clip_sum, float(grad_norm))
+    return StepStats(loss_sum, kl_sum, clip_sum, grad_norm)
 
 
 def _checked_loss_mask(loss_mask: Tensor, response_mask: Tensor) -> Tensor:

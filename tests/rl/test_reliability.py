@@ -223,7 +223,12 @@ def test_tune_run_prints_no_torchao_line_before_our_code_runs():
 
 @pytest.mark.parametrize("override,message", [
     ("loss.aggregation=dr_grpo", "error: loss: ValueError: aggregation='dr_grpo' must be one of"),
-    ("optimizer.lr=abc", "error: optimizer: TypeError:"),
+    # annotated parameters are checked by the config check, by name (exit 2 before the run)
+    ("optimizer.lr=abc", "error: optimizer.lr (command-line override 'optimizer.lr=abc'): "
+                         "'abc' is not a number"),
+    ("loss.kl_coef=.nan", "error: loss.kl_coef (command-line override 'loss.kl_coef=.nan'): "
+                          "nan is not a number (NaN)"),  # YAML's NaN
+    ("model.embed_dim=-64", "error: model: ValueError: embed_dim=-64 must be an integer >= 1"),
 ])
 def test_a_value_a_component_refuses_is_a_config_error(tmp_path, override, message):
     proc = tune(f"output_dir={tmp_path / 'run'}", "num_steps=1", override)

@@ -58,6 +58,10 @@ def test_overwrite_moves_the_earlier_run_aside(tmp_path):
     aside = list((tmp_path / "run").glob("replaced_*"))
     assert len(aside) == 1 and (aside[0] / "checkpoint.pt").read_bytes() == before
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() != before
+    # its TensorBoard events too (they used to stay, shown beside the new run's steps)
+    old_events = list((aside[0] / "tensorboard").rglob("events.out.tfevents.*"))
+    new_events = list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))
+    assert len(old_events) == len(new_events) == 1
 
 
 def test_a_second_run_on_a_live_runs_output_dir_is_refused(tmp_path):

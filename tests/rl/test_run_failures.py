@@ -1,0 +1,123 @@
+"""What a run does when something goes wrong while it trains (in-process, tiny CPU config): a
+signal during the final save waits for it, a non-finite gradient stops the run before any
+weight or checkpoint takes it, a checkpoint that cannot be written (a full disk) is named and
+leaves the previous one, and the output folder's problems are config errors."""
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from recipe_helpers import CONFIG, load_recipe, run
+
+import dualkv_compile as dk
+from dualkv_compile.rl import GRPOLoss, NonFiniteGradient, optimizer_step
+from dualkv_compile.rl.recipe_config import ConfigError
+from dualkv_compile.rl.run_guard import RunFailed, check_output_dir, write_checkpoint
+from dualkv_compile.testing import make_batch, same_dtype_numerics, tiny_model
+
+
+def recipe_for(tmp_path, name, **overrides):
+    cfg = OmegaConf.load(CONFIG)
+    OmegaConf.update(cfg, "output_dir", str(tmp_path / name))
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    return load_recipe().GRPORecipe(cfg)
+
+
+def test_a_signal_during_the_final_save_waits_for_it(tmp_path):
+    # the final save ran after the signal handler was removed: a Ctrl-C there raised
+    # KeyboardInterrupt mid-write and left only checkpoint.tmp
+    recipe = recipe_for(tmp_path, "run", num_steps=2)
+    recipe.setup()
+    save = recipe.save_checkpoint
+
+    def interrupted_save():
+        os.kill(os.getpid(), signal.SIGINT)  # delivered before the save starts writing
+        save()
+
+    recipe.save_checkpoint = interrupted_save
+    recipe.train()
+    recipe.cleanup()
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 2 and not (tmp_path / "run" / "checkpoint.tmp").exists()
+
+
+def test_a_non_finite_gradient_is_not_applied():
+    g = torch.Generator().manual_seed(0)
+    tokens, mask, p = make_batch([5, 3], [[4, 2], [3, 1]], vocab=90, generator=g)
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    before = [q.detach().clone() for q in model.parameters()]
+    lp = torch.zeros(tokens.shape[0], tokens.shape[1] - p, dtype=torch.float64)
+    adv = torch.tensor([1.0, math.nan, -1.0, 0.5], dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteGradient, match=r"the gradient norm is nan .*not taken"):
+        optimizer_step(dk.optimize(model), GRPOLoss(), opt, tokens, mask, p, lp, lp, adv,
+                       group_size=2, temperature=1.0, max_grad_norm=1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(q.grad is None for q in model.parameters()) and not opt.state
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_finite_checkpoint(tmp_path):
+    # optimizer.lr=1e3 (for 1e-3): NaN from the second or third step on; the run used to go on
+    # to the end and replace the last good checkpoint with NaN weights
+    recipe = recipe_for(tmp_path, "run", num_steps=6, save_every=1, **{"optimizer.lr": 1e3})
+    recipe.setup()
+    with pytest.raises(RunFailed, match=r"step (\d): the gradient norm is (nan|inf).* so .*"
+                                        r"checkpoint.pt, if any, is the last good checkpoint"):
+        recipe.train()
+    recipe.cleanup()
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == recipe.step >= 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_non_finite_weights_are_not_written(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"previous")
+    with pytest.raises(RunFailed, match=r"step 3: the weights hold non-finite values \(w\)"):
+        write_checkpoint(path, {"model": {"w": torch.tensor([1.0, math.inf])}, "step": 3})
+    assert path.read_bytes() == b"previous"
+
+
+def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_the_previous(tmp_path,
+                                                                             monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"previous")
+
+    def full_disk(obj, f):  # what torch.save raises when the disk fills mid-write
+        open(f, "wb").write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(RunFailed, match=r"step 4: .*checkpoint.pt could not be written "
+                                        r"\(RuntimeError: .*unexpected pos.*\); [0-9.]+ GiB free "
+                                        r"on its disk; the partial checkpoint.tmp was removed"):
+        write_checkpoint(path, {"model": {"w": torch.ones(2)}, "step": 4})
+    assert path.read_bytes() == b"previous" and not (tmp_path / "checkpoint.tmp").exists()
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="resume_from_checkpoint=true and overwrite_output_dir"
+                                          "=true ask for opposite things"):
+        check_output_dir(tmp_path / "checkpoint.pt", resume=True, overwrite=True)
+
+
+def test_an_unusable_output_dir_is_a_config_error_and_a_refused_run_leaves_no_folder(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"output_dir=.*file' cannot be created or written"):
+        recipe_for(tmp_path, "file").setup()
+    # resume refused (no checkpoint): the folder the lock made is gone again
+    with pytest.raises(ConfigError, match="resume_from_checkpoint=true but .* does not exist"):
+        recipe_for(tmp_path, "new", resume_from_checkpoint=True).setup()
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_changed_seed_on_resume_is_said_to_do_nothing(tmp_path, capsys):
+    run(tmp_path, "run", num_steps=1)
+    capsys.readouterr()
+    run(tmp_path, "run", num_steps=2, resume_from_checkpoint=True, seed=5)
+    out = capsys.readouterr().out
+    assert "seed: 0 -> 5 (no effect: the checkpoint's random states are restored)" in out
