@@ -348,11 +348,13 @@ class GRPORecipe:
                           f"checkpoint in {self._checkpoint_path()}", flush=True)
                 return
 
-    def cleanup(self):
+    def cleanup(self, failed: bool = False):
+        """failed: a RunFailed ended the run, on this rank perhaps alone (a save is rank 0's):
+        no collective, which the other ranks might never join; torchrun ends them."""
         if self.metric_logger is not None:
             self.metric_logger.close()
         self._release_lock()
-        if self.world_size > 1:
+        if self.world_size > 1 and not failed:
             # no rank may still hold collective work (or tensors it references) when the process
             # group goes: gloo aborted at interpreter exit now and then without this
             torch.distributed.barrier()
@@ -381,7 +383,7 @@ def recipe_main(cfg: DictConfig) -> None:
         recipe.train()
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        recipe.cleanup()
+        recipe.cleanup(failed=True)
         return 1
     recipe.cleanup()
     if recipe.stopped_by is not None:

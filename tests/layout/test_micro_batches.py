@@ -32,6 +32,25 @@ def test_every_row_once_within_the_budget():
     assert rows == list(range(12))
 
 
+def test_a_budget_filled_exactly_is_within_it():
+    # the boundaries: a group of exactly the budget is not split, a row of exactly the budget
+    # is not over it, and two groups that fill it exactly share a micro-batch
+    _, mask, p = make_batch([4, 3, 1], [[3, 3], [3, 4], [1, 2]], vocab=90,
+                            generator=torch.Generator().manual_seed(0))
+    dk.counters.clear()
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=10)
+    # packed: 4+6 = 10, 3+7 = 10, 1+3 = 4
+    assert plan.split_groups == [] and plan.packed_tokens == [10, 10, 4]
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=7)
+    # group 0 split into rows {0} (7) and {1} (7); group 1 into {2} (6) and {3} (7): no row over
+    assert plan.split_groups == [0, 1] and dk.counters["rows_over_budget"] == 0
+    assert max(plan.packed_tokens) == 7
+    _, mask, p = make_batch([2, 1], [[2, 2], [1, 2]], vocab=90,
+                            generator=torch.Generator().manual_seed(0))
+    plan = dk.plan_micro_batches(mask, prompt_len=p, group_size=2, max_tokens=10)
+    assert plan.packed_tokens == [10] and len(plan.rows) == 1  # 6 + 4
+
+
 def test_a_group_over_the_budget_is_split_and_pays_its_prompt_per_part():
     _, mask, p = batch()
     dk.counters.clear()

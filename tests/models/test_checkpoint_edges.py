@@ -73,6 +73,53 @@ def test_the_saved_config_names_the_saved_dtype(tmp_path):
     assert again.dtype == torch.float32
 
 
+def _saved_source(tmp_path):
+    source = tmp_path / "source"
+    tf.Qwen3ForCausalLM._from_config(tf.Qwen3Config(
+        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16)).save_pretrained(
+        source, safe_serialization=True)
+    return source
+
+
+def test_saved_weights_are_flushed_before_the_folder_takes_its_name(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    source = _saved_source(tmp_path)
+    synced, renamed = [], []
+    real_fsync, real_rename = os.fsync, Path.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (
+        synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(Path, "rename", lambda self, target: (
+        renamed.append((self.name, len(synced))), real_rename(self, target))[1])
+    ck = Qwen3HFCheckpointer(str(source), str(tmp_path / "out"))
+    ck.save_checkpoint({"model": qwen3_from_hf_config(source).state_dict()}, epoch=1)
+    (name, before), = [r for r in renamed if r[0] == "epoch_1.partial"]
+    partial = str(tmp_path / "out" / "epoch_1.partial")
+    assert {partial + "/model.safetensors", partial + "/config.json", partial} <= set(
+        synced[:before])  # the files and the folder, before the rename
+    assert str(tmp_path / "out") in synced[before:]  # its entry, after it
+
+
+def test_a_failed_weights_save_leaves_no_partial_folder(tmp_path, monkeypatch):
+    import dualkv_compile.models.checkpointer as checkpointer
+
+    source = _saved_source(tmp_path)
+    ck = Qwen3HFCheckpointer(str(source), str(tmp_path / "out"))
+
+    def full_disk(state, directory, rename):
+        (directory / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
+        (directory / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointer, "write_hf_state", full_disk)
+    with pytest.raises(OSError, match=r"epoch_1 could not be written \(OSError: .*No space left "
+                                      r"on device\); [0-9.]+ GiB free on its disk"):
+        ck.save_checkpoint({"model": qwen3_from_hf_config(source).state_dict()}, epoch=1)
+    assert not list((tmp_path / "out").iterdir())
+
+
 def _moe_checkpoint(tmp_path, tied):
     cfg = tf.Qwen3MoeConfig(vocab_size=12, hidden_size=16, moe_intermediate_size=8,
                             num_experts=3, num_experts_per_tok=2, num_hidden_layers=1,

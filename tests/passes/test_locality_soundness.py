@@ -1,7 +1,8 @@
 """Token-mixing code the locality proof must refuse (each case once returned wrong logprobs
 without a refusal): tensor attributes that transpose, writes into buffers, a 1-D token operand
 contracted by matmul, reductions whose positional arguments are not (dim, keepdim), boolean
-masks over several dims, an empty dim list, keepdims=True, writes through _foreach_ ops and
+masks over several dims, an empty dim list, keepdims=True, a norm, top-k or linear layer over
+the sequence axis, writes through _foreach_ ops and
 out=, dropout in training, attention keys that are not token data; and in-place statements,
 which the dead-code pass once erased, kept and exact."""
 
@@ -66,8 +67,24 @@ def _keepdims(x):  # torch's other spelling of keepdim; the axis count once miss
     return x + x.unsqueeze(1).expand(b, t, t, d).sum(0, keepdims=True).sum(2)
 
 
+def _norm_over_tokens(x):  # a layer norm whose normalised axis is the sequence
+    return x + 0.1 * torch.nn.functional.layer_norm(x.transpose(1, 2), x.shape[1:2]).transpose(1, 2)
+
+
+def _topk_over_tokens(x):  # ranks along the sequence axis
+    values, _ = torch.topk(x, x.shape[1], dim=1)
+    return x + 0.1 * values
+
+
+def _linear_over_tokens(x):  # a linear layer that contracts the sequence axis
+    t = x.shape[1]
+    mix = torch.ones(t, t, dtype=x.dtype) / t
+    return x + torch.nn.functional.linear(x.transpose(1, 2), mix).transpose(1, 2)
+
+
 @pytest.mark.parametrize("mix", [_mT, _setitem, _matvec, _norm_positional, _std_positional,
-                                 _bool_mask, _empty_dims, _keepdims],
+                                 _bool_mask, _empty_dims, _keepdims, _norm_over_tokens,
+                                 _topk_over_tokens, _linear_over_tokens],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_token_mixing_is_refused(mix):
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()

@@ -1,6 +1,7 @@
-"""rl.optimizer_step with a loss mask (DAPO's overlong filtering) against the plain computation:
-the unmodified model row by row, GRPOLoss over its logprobs with the same mask (CPU, float64,
-1e-10); and rl.truncated_responses, which gives the rows to filter."""
+"""rl.optimizer_step against the plain computation: the unmodified model row by row at the
+sampling temperature, GRPOLoss over its logprobs (CPU, float64, 1e-10), with and without a loss
+mask (DAPO's overlong filtering), over several micro-batches; a rank's uncounted rows change
+nothing; and rl.truncated_responses, which gives the rows to filter."""
 
 import copy
 
@@ -13,6 +14,7 @@ from dualkv_compile.testing import (make_batch, row_by_row_response_logprobs,
                                     same_dtype_numerics, tiny_model)
 
 TOL = 1e-10
+T = 0.7  # not 1: a temperature dropped anywhere shows
 FILTERED = [1, 4, 5]  # rows whose responses leave the loss
 
 
@@ -21,7 +23,7 @@ def setup(aggregation):
     tokens, mask, p = make_batch([7, 4, 9], [[5, 8], [2, 6], [8, 3]], vocab=90, generator=g)
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
     with torch.no_grad():
-        base = row_by_row_response_logprobs(model, tokens, mask, p)
+        base = row_by_row_response_logprobs(model, tokens, mask, p, temperature=T)
     old = base + 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
     ref = base - 0.1 * torch.randn(base.shape, generator=g, dtype=base.dtype)
     adv = torch.randn(tokens.shape[0], generator=g, dtype=base.dtype)
@@ -29,35 +31,46 @@ def setup(aggregation):
     return model, tokens, mask, p, old, ref, adv, loss_fn
 
 
-def step(model, tokens, mask, p, old, ref, adv, loss_fn, loss_mask):
+def step(model, tokens, mask, p, old, ref, adv, loss_fn, loss_mask, counted=True):
     """optimizer_step with SGD at lr 1 over 3 micro-batches: returns (stats, -update)."""
     before = [q.detach().clone() for q in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     stats = optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, old, ref, adv,
-                           group_size=2, temperature=1.0, max_grad_norm=1e9,
-                           micro_batch_groups=1, loss_mask=loss_mask)
+                           group_size=2, temperature=T, max_grad_norm=1e9,
+                           micro_batch_groups=1, loss_mask=loss_mask, counted=counted)
     return stats, torch.cat([(b - q.detach()).flatten()
                              for b, q in zip(before, model.parameters())])
 
 
+@pytest.mark.parametrize("filtered", [False, True], ids=["all_rows", "loss_mask"])
 @pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
-def test_a_loss_mask_takes_rows_out_of_the_loss_and_its_normaliser(aggregation):
+def test_the_step_is_the_plain_models_loss_gradient(aggregation, filtered):
     model, tokens, mask, p, old, ref, adv, loss_fn = setup(aggregation)
     loss_mask = mask[:, p:].clone()
-    loss_mask[FILTERED] = False
+    if filtered:
+        loss_mask[FILTERED] = False
     plain = copy.deepcopy(model)
-    stats, update = step(model, tokens, mask, p, old, ref, adv, loss_fn, loss_mask)
+    stats, update = step(model, tokens, mask, p, old, ref, adv, loss_fn,
+                         loss_mask if filtered else None)
 
-    lp = row_by_row_response_logprobs(plain, tokens, mask, p)
+    lp = row_by_row_response_logprobs(plain, tokens, mask, p, temperature=T)
     loss, _ = loss_fn(lp, old, ref, adv, loss_mask)
     loss.backward()
     grad = torch.cat([q.grad.flatten() for q in plain.parameters()])
     assert abs(stats.loss - loss.item()) <= TOL * max(1.0, abs(loss.item()))
     assert (update - grad).norm() <= TOL * grad.norm()
 
-    # the filtered rows did weigh: without the mask the step differs
-    _, unfiltered = step(copy.deepcopy(plain), tokens, mask, p, old, ref, adv, loss_fn, None)
-    assert (unfiltered - update).norm() > 1e-3 * grad.norm()
+    if filtered:  # the filtered rows did weigh: without the mask the step differs
+        _, unfiltered = step(copy.deepcopy(plain), tokens, mask, p, old, ref, adv, loss_fn, None)
+        assert (unfiltered - update).norm() > 1e-3 * grad.norm()
+
+
+def test_uncounted_rows_change_nothing():
+    # counted=False: a rank with no group of its own runs rows at weight 0 (FSDP's collectives)
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("sequence")
+    stats, update = step(model, tokens, mask, p, old, ref, adv, loss_fn, None, counted=False)
+    assert update.abs().max() == 0 and stats.loss == 0 and stats.grad_norm == 0
+    assert stats.kl == 0 and stats.clip_fraction == 0
 
 
 def test_a_loss_mask_outside_the_responses_or_of_another_shape_is_refused():

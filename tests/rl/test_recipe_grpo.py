@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
-from recipe_helpers import CONFIG, ROOT, run
+from recipe_helpers import CONFIG, ROOT, load_recipe, run
 
 
 @pytest.mark.parametrize("attention_backend", ["auto", "regions"])
@@ -108,6 +109,21 @@ def test_overlong_filtering_takes_truncated_responses_out_of_the_loss(tmp_path):
     assert first["reward"] == plain["reward"]  # the same samples...
     assert first["truncated_fraction"] == plain["truncated_fraction"]
     assert abs(first["loss"] - plain["loss"]) > 1e-4  # ...with the cut ones left out
+
+
+def test_the_overlong_penalty_is_added_to_the_task_reward(tmp_path):
+    # dualkv on/off share _score, so the comparisons above cannot see its sign: the exact
+    # rewards of responses below, inside and past the band (10-12 tokens, tiny_dapo.yaml)
+    recipe = load_recipe().GRPORecipe(OmegaConf.merge(
+        OmegaConf.load(ROOT / "recipes" / "configs" / "tiny_dapo.yaml"),
+        {"output_dir": str(tmp_path / "run")}))
+    recipe.setup()
+    tok = recipe.tokenizer
+    answer = tok.encode("aaaaaaaa")[1:] + [tok.eos_id]  # the right answer, 9 tokens
+    responses = torch.tensor([answer + [tok.pad_id] * 3] * 3)
+    rewards = recipe._score(responses, ["a"] * 3, torch.tensor([9, 11, 12]))
+    recipe.cleanup()
+    assert rewards.tolist() == pytest.approx([1.0, 1.0 - 2 / 3, 0.0])
 
 
 def test_overlong_filtering_needs_stop_tokens(tmp_path):

@@ -60,6 +60,7 @@ def test_grpo_loss_by_hand():
     assert torch.isclose(constant_loss, torch.tensor((-2.28 + 2.8) / 6))
     assert torch.isclose(stats["clip_fraction"], torch.tensor(2 / 5))
     assert stats["kl"] == 0
+    assert torch.isclose(stats["ratio"], torch.tensor(5.5 / 5))  # over the 5 tokens in the mask
 
 
 @pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
@@ -100,6 +101,10 @@ def test_bad_loss_settings():
         GRPOLoss(aggregation="mean")
     with pytest.raises(ValueError, match="kl_coef=-1"):
         GRPOLoss(kl_coef=-1)
+    with pytest.raises(ValueError, match="epsilon_low=-0.1"):
+        GRPOLoss(epsilon_low=-0.1)
+    with pytest.raises(ValueError, match="epsilon_high=-0.1"):
+        GRPOLoss(epsilon_high=-0.1)
 
 
 def test_tokenizer_and_task_reward():

@@ -122,6 +122,9 @@ def _config(**changes) -> dict:
     ({"updates_per_step": 3}, "groups_per_step (x): 8 must split into 1 rank(s) x "
                               "updates_per_step=3 x whole micro-batches"),
     ({"temperature": float("inf")}, "temperature (x): inf must be a finite number >= 1e-05"),
+    ({"top_p": 0.0}, "top_p (x): 0.0 must be in (0, 1]"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm (x): 0.0 must be > 0"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm (x): -1.0 must be > 0"),
     ({"checkpointer": {"_component_": "dualkv_compile.models.Qwen3HFCheckpointer",
                        "checkpoint_dir": "c", "output_dir": "o"},
       "model": {"_component_": "dualkv_compile.models.qwen3_from_hf_config", "path": "c",
@@ -135,6 +138,14 @@ def test_values_that_fail_together_are_refused_up_front(changes, message, monkey
     with pytest.raises(ConfigError) as e:
         check_recipe_config(_config(**changes), config_file="x", overrides=[])
     assert any(line.startswith(message) for line in e.value.problems), e.value.problems
+
+
+def test_a_required_key_left_out_is_named():
+    config = _config()
+    del config["num_steps"], config["loss"]["epsilon_low"]  # a default: may be left out
+    with pytest.raises(ConfigError) as e:
+        check_recipe_config(config, config_file="x", overrides=[])
+    assert e.value.problems == ["num_steps (required by the recipe, not in x): missing"]
 
 
 def test_a_key_a_kwargs_component_does_not_name_is_warned_about():
