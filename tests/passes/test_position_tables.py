@@ -2,9 +2,7 @@
 opaque copy, so that compiled kernels load them instead of recomputing them. The models' exact
 comparisons with the pass active are in test_optimize_cpu.py."""
 
-import pytest
 import torch
-import torch.fx as fx
 
 from dualkv_compile.passes import position_tables as pt
 
