@@ -1,6 +1,7 @@
 """The dualkv CLI on CPU: inspect, mask and plan on tiny models, errors, help and the flag set."""
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -126,6 +127,7 @@ def test_plan_prints_the_estimate(capsys):
     assert main(["plan", "--model", "llama3_2", "-N", "4", "-P", "10", "-R", "5"]) == 0
     tiny = capsys.readouterr().out
     assert "2 layers, d=32" in tiny and "token reduction rho:          2.00x  (60 -> 30 tokens)" in tiny
+    assert "K parameters" in tiny and not re.search(r"(?<![\d.])0\.00", tiny)  # no 0.00 GiB
     assert "attention FLOP reduction:     2.50x (causal pairs)" in out
     assert "groups per micro-batch in 80 GiB, layer checkpointing:" in out
     e = estimate({"hidden": 8, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 4, "ff": 16,
@@ -133,6 +135,16 @@ def test_plan_prints_the_estimate(capsys):
     # by hand: q 8x8 + k,v 2x8x4 + o 8x8 + mlp 3x8x16 + norms 16 = 592; + embeddings 80 + 8
     assert e["params"] == 592 + 80 + 8
     assert e["rho"] == pytest.approx(8 / 5)
+
+
+def test_plan_notes_a_model_type_optimize_refuses(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))
+    assert main(["plan", "--model", str(tmp_path), "--group-size", "4", "--prompt-len", "16",
+                 "--response-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: optimize() refuses model_type 'bert'")
 
 
 def test_plan_counts_every_expert_and_the_logits_once_per_micro_batch(tmp_path, capsys):
@@ -166,12 +178,13 @@ def test_plan_counts_every_expert_and_the_logits_once_per_micro_batch(tmp_path, 
     assert f"layer checkpointing: plain {fit[0]}, dualkv {fit[1]}" in out and fit[1] > 60
 
 
-FLAGS = {
+FLAGS = {  # -N / --group-size, -P / --prompt-len, -R / --response-len: one spelling everywhere
     "inspect": ["--attention-backend", "--group-size", "--groups", "--help", "--layers", "--model", "--out",
-                "--prompt-len", "--response-len", "-P", "-R", "-h"],
+                "--prompt-len", "--response-len", "-N", "-P", "-R", "-h"],
     "mask": ["--group-size", "--groups", "--help", "--out", "--pad-to", "--prompt-len",
-             "--ragged", "--response-len", "--scale", "-P", "-R", "-h"],
-    "plan": ["--gpu-memory", "--help", "--model", "--state-bytes", "-N", "-P", "-R", "-h"],
+             "--ragged", "--response-len", "--scale", "-N", "-P", "-R", "-h"],
+    "plan": ["--gpu-memory", "--group-size", "--help", "--model", "--prompt-len",
+             "--response-len", "--state-bytes", "-N", "-P", "-R", "-h"],
     "bench": ["--help", "-h"],
 }
 

@@ -8,14 +8,24 @@ import json
 import os
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
 from .models import CliError
 
-__all__ = ["add_out_argument", "add_shapes_argument", "check_out_path", "environment",
+__all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path", "environment",
            "interleaved_medians", "parse_shape", "positive_int", "write_results"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2 (`--help` still
+    prints the whole usage)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def positive_int(text: str) -> int:
@@ -68,6 +78,9 @@ def add_out_argument(ap: argparse.ArgumentParser, suffixes=(".json", ".md")) -> 
     """--out OUT: a benchmark writes OUT + each suffix; the paths are checked when the
     arguments are parsed, before any work (argparse reports a bad one with the usage, exit 2)."""
     def stem(text: str) -> str:
+        if Path(text).is_dir():  # OUT.json would land beside it, not in it
+            raise argparse.ArgumentTypeError(f"--out {text}: is a directory; name a file stem "
+                                             f"(OUT{suffixes[0]} is written)")
         for suffix in suffixes:
             try:
                 check_out_path(text + suffix, folder=False)

@@ -14,11 +14,11 @@ same q/k/v/gradient; each round times every (side, kernel) once, in turn.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -26,8 +26,8 @@ import tarfile
 import torch
 
 from dualkv_compile.attention.registry import KERNELS
-from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
-                                          positive_int, write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
+                                          interleaved_medians, positive_int, write_results)
 
 OTHER = "dualkv_other"
 # where setuptools maps these source folders inside the package
@@ -48,6 +48,11 @@ def prepare(commit: str, other_dir: str) -> None:
         why = archive.stderr.decode(errors="replace").strip().splitlines()
         raise ValueError(f"--prepare {commit}: git archive failed ({why[0] if why else ''})")
     archive = archive.stdout
+    if os.path.exists(other_dir) and not os.path.isdir(other_dir):
+        raise ValueError(f"--other-dir {other_dir}: exists and is not a directory")
+    target = os.path.join(other_dir, OTHER)
+    if os.path.isdir(target):  # an earlier prepare's files would mix with this commit's
+        shutil.rmtree(target)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         for member in tar.getmembers():
             if not (member.isfile() and member.name.endswith(".py")):
@@ -89,7 +94,7 @@ def variant(lib, tokens, mask, plen, kernel, x, gout):
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--prepare", metavar="COMMIT", help="write COMMIT's package and exit")
     ap.add_argument("--other-dir", required=True)
     ap.add_argument("--kernels", nargs="+", default=["flash", "triton", "regions",
@@ -107,7 +112,7 @@ def main(argv=None, prog=None):
     if args.prepare:
         try:
             return prepare(args.prepare, args.other_dir)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             ap.error(str(e))
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")

@@ -13,7 +13,6 @@ plus the block mask).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -23,8 +22,8 @@ import torch.nn.functional as F
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention.op import _flex_attention
 from dualkv_compile.attention.block_mask import shared_prefix_block_mask
-from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
-                                          interleaved_medians, write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
+                                          environment, interleaved_medians, write_results)
 
 # the five shapes of issue #4, then long context (P=32K) and a layout of > 262,144 packed tokens
 DEFAULT_SHAPES = ["16,2048,512", "32,4096,1024", "32,8192,1024", "16,8192,2048", "64,2048,512",
@@ -341,7 +340,7 @@ def markdown(meta, rows) -> str:
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)

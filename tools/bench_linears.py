@@ -11,13 +11,12 @@ fused ones come out of one GEMM over the concatenated output dimension.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
-from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
-                                          write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
+                                          interleaved_medians, write_results)
 
 # Qwen3-8B: hidden 4096, 32 x 128 query heads, 8 x 128 key-value heads, MLP 12288
 GROUPS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [12288, 12288]),
@@ -44,7 +43,7 @@ def _variants(x, dy_parts, weights):
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[40960])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=1000)

@@ -13,7 +13,6 @@ benchmark's MFU.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 from unittest import mock
@@ -21,8 +20,8 @@ from unittest import mock
 import torch
 
 from dualkv_compile.lm_head import logprobs as lp
-from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
-                                          write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
+                                          interleaved_medians, write_results)
 
 
 def _eager_kernels(device):
@@ -31,7 +30,7 @@ def _eager_kernels(device):
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[32768],
                     help="response positions (N x R)")
     ap.add_argument("--dim", type=int, default=4096)

@@ -24,7 +24,6 @@ exact forms are compared (they must be equal bit for bit).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -36,8 +35,8 @@ from dualkv_compile.attention.block_mask import (_classify_blocks, _to_indices, 
 from dualkv_compile.attention.kernel_options import kernel_options_for
 from dualkv_compile.attention.op import _flex
 from dualkv_compile.recompiles import bounded_recompiles
-from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
-                                          interleaved_medians, write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
+                                          environment, interleaved_medians, write_results)
 
 DEFAULT_SHAPES = ["32,4096,1024", "64,2048,512", "32,8192,1024"]
 EXACT = ("visible_until", "segments", "intervals")
@@ -104,7 +103,7 @@ def _layouts(args, dev):
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--ragged", nargs="*", default=[], help="P_cap,R_cap,seed cases")
     ap.add_argument("--max-tokens", type=int, default=262144)

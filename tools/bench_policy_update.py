@@ -17,7 +17,6 @@ dense peak given by --peak-tflops.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,8 +27,8 @@ import torch
 
 import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
-from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
-                                          write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
+                                          environment, write_results)
 from dualkv_compile.tools.step_inputs import build_model, layouts, useful_flops
 from dualkv_compile.tools.step_profile import print_profile
 
@@ -188,7 +187,7 @@ def run_variants(variants, model, tokens, mask, p, adv, opt, steps, warmup) -> d
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--model", choices=["qwen3_8b", "qwen3_30b_a3b"], default="qwen3_8b",
                     help="the decoder's shape: Qwen3-8B, or the Qwen3-30B-A3B mixture of "

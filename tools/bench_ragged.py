@@ -28,6 +28,8 @@ tools/ragged_tiles.py).
 from __future__ import annotations
 
 import argparse
+import platform
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +37,8 @@ import torch.nn.functional as F
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.testing import make_batch
 from dualkv_compile.attention.registry import KERNELS
-from dualkv_compile.tools._common import (add_out_argument, environment, interleaved_medians,
-                                          positive_int, write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
+                                          interleaved_medians, positive_int, write_results)
 from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
@@ -50,9 +52,13 @@ def ragged_case(seed: int, p_cap: int, r_cap: int, max_tokens: int):
     groups, n = draw(2, 8), (8, 16, 32)[draw(0, 2)]
     prompts = [draw(max(1, p_cap // 10), p_cap) for _ in range(groups)]
     responses = [[draw(1, r_cap) for _ in range(n)] for _ in range(groups)]
-    while groups > 1 and sum(p * n + sum(rs) for p, rs in zip(prompts, responses)) > max_tokens:
+    replicated = lambda: sum(p * n + sum(rs) for p, rs in zip(prompts, responses))  # noqa: E731
+    while groups > 1 and replicated() > max_tokens:
         groups -= 1
         prompts, responses = prompts[:groups], responses[:groups]
+    if replicated() > max_tokens:  # a case has at least one group
+        print(f"note: seed {seed}, caps {p_cap},{r_cap}: its one group replicates to "
+              f"{replicated()} tokens, over --max-tokens {max_tokens}; kept", file=sys.stderr)
     tokens, mask, p = make_batch(prompts, responses, vocab=1000, generator=g)
     return tokens, mask, p, n, prompts, responses
 
@@ -208,7 +214,7 @@ def _parse_caps(text: str) -> tuple[int, int]:
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--caps", type=_parse_caps, nargs="+", default=list(CAPS),
                     metavar="P_cap,R_cap", help="prompt and response length caps (default: "
@@ -231,7 +237,9 @@ def main(argv=None, prog=None):
     if args.tiles_only:
         rows = [run_case(seed, p_cap, r_cap, args)
                 for p_cap, r_cap in args.caps for seed in args.seeds]
-        return write_results(args.out, {"tiles_only": True}, rows, _tiles_table(rows))
+        meta = {"tiles_only": True, "torch": torch.__version__,
+                "python": platform.python_version(), "max_tokens": args.max_tokens}
+        return write_results(args.out, meta, rows, _tiles_table(rows))
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU (--tiles-only counts tiles on the CPU)")
     rows = []

@@ -22,7 +22,6 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -30,8 +29,8 @@ import torch
 from dualkv_compile.models import qwen3_8b
 from dualkv_compile.models.qwen3 import QWEN3_SIZES, QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine
-from dualkv_compile.tools._common import (add_out_argument, add_shapes_argument, environment,
-                                          write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
+                                          environment, write_results)
 
 
 def _copy_bandwidth() -> float:
@@ -173,7 +172,7 @@ def _profile(model, prompts, n, r, shared, attention, path):
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, ["16,4096,256"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--groups", type=int, nargs="+", default=[1], help="prompts per call")

@@ -19,7 +19,6 @@ Call i has groups[i % len(groups)] prompts. Each variant first runs one call per
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -28,8 +27,8 @@ import torch
 from dualkv_compile.models import qwen3_8b
 from dualkv_compile.models.qwen3 import QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine, prompt_bucket
-from dualkv_compile.tools._common import (add_out_argument, environment, parse_shape,
-                                          positive_int, write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
+                                          parse_shape, positive_int, write_results)
 
 VARIANTS = ("engine", "one_workspace", "rebuild")
 
@@ -81,7 +80,7 @@ def _table(rows, meta) -> str:
 
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", type=parse_shape, default=parse_shape("16,4096,1024"),
                     metavar="N,P,R", help="N responses of R tokens; P the prompts' padded width")
     ap.add_argument("--layers", type=positive_int, default=8)

@@ -11,10 +11,11 @@ User errors (unknown model, impossible numbers, missing files) exit 2 with one l
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..attention.registry import KERNELS
-from ._common import positive_int
+from ._common import OneLineParser, positive_int
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
@@ -23,17 +24,9 @@ __all__ = ["main", "build_parser"]
 
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit status 2."""
-
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def _layout(sub):
     sub.add_argument("--groups", type=positive_int, default=2, help="prompts (default 2)")
-    sub.add_argument("--group-size", type=positive_int, default=2,
+    sub.add_argument("--group-size", "-N", type=positive_int, default=2,
                      help="responses per prompt (default 2)")
     sub.add_argument("--prompt-len", "-P", type=positive_int, default=8,
                      help="prompt tokens (default 8)")
@@ -43,7 +36,7 @@ def _layout(sub):
 
 def build_parser() -> argparse.ArgumentParser:
     models = ", ".join(TINY + tuple(PRESETS))
-    ap = _Parser(prog="dualkv", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="dualkv", description=__doc__.split("\n\n")[0])
     subs = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     ins = subs.add_parser("inspect", help="trace a model through optimize() on CPU and show "
@@ -68,9 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pln = subs.add_parser("plan", help="predicted savings and memory with and without dualkv")
     pln.add_argument("--model", required=True, help=f"{models}, or a config.json path")
-    pln.add_argument("-N", type=int, required=True, help="responses per prompt")
-    pln.add_argument("-P", type=int, required=True, help="prompt tokens")
-    pln.add_argument("-R", type=int, required=True, help="response tokens")
+    # the same spellings as inspect's and mask's layout flags
+    pln.add_argument("-N", "--group-size", dest="N", type=int, required=True,
+                     help="responses per prompt")
+    pln.add_argument("-P", "--prompt-len", dest="P", type=int, required=True,
+                     help="prompt tokens")
+    pln.add_argument("-R", "--response-len", dest="R", type=int, required=True,
+                     help="response tokens")
     pln.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
                      help="GPU memory in GiB: report how many groups fit a micro-batch")
     pln.add_argument("--state-bytes", type=positive_int, default=12,
@@ -88,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"dualkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `dualkv ... | head`: the reader left; say nothing more
+        try:  # (and let the interpreter's final flush of stdout find no pipe to fail on)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is no file (captured)
+            pass
+        return 1
+
+
+def _run(args) -> int:
     try:
         if args.command == "inspect":
             from .inspect_cmd import run_inspect

@@ -43,6 +43,8 @@ MAX_SIDE = 4096
 
 def run_mask(args, out=print) -> int:
     path = check_out_path(args.out, folder=False)
+    if path.suffix.lower() != ".png":
+        raise CliError(f"--out {args.out!r}: the mask is drawn as a PNG; name a .png file")
     # the packed length: every group's prompt once and its responses, rounded up to --pad-to
     tokens_needed = args.groups * (args.prompt_len + args.group_size * args.response_len)
     padded = -(-tokens_needed // args.pad_to) * args.pad_to

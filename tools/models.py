@@ -94,7 +94,8 @@ def _hf_dims(cfg: dict, path: Path) -> dict:
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                 ff=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                 tied=bool(cfg.get("tie_word_embeddings", False)),
-                max_positions=cfg.get("max_position_embeddings"))
+                max_positions=cfg.get("max_position_embeddings"),
+                model_type=cfg.get("model_type"))
     # a mixture of experts: Qwen3-MoE's fields (Mixtral's num_local_experts, whose
     # intermediate_size is the expert's)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -171,6 +172,7 @@ def build_model(name: str, layers: int | None = None, positions: int | None = No
     _check_positions(name, positions, getattr(cfg, "max_position_embeddings", None))
     if layers is not None:
         cfg.num_hidden_layers = layers
+    _check_memory(name, layers)
     try:
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     except (ValueError, KeyError) as e:
@@ -180,3 +182,33 @@ def build_model(name: str, layers: int | None = None, positions: int | None = No
 
         use_grouped_experts(model)  # the token-local expert op optimize() takes
     return model
+
+
+def _check_memory(name: str, layers: int | None) -> None:
+    """Refuse, before building, a model whose fp32 weights exceed the memory this machine has
+    available (the allocator's own error is a long traceback)."""
+    from .plan_cmd import estimate
+
+    try:
+        dims = model_dims(name)
+    except CliError:  # a structure plan does not model: let the build try
+        return
+    if layers is not None:
+        dims["layers"] = layers
+    need = estimate(dims, 1, 1, 1)["params"] * 4
+    available = _available_memory()
+    if available is not None and need > available:
+        raise CliError(f"{name} with {dims['layers']} layers holds {need / 2**30:.1f} GiB of "
+                       f"fp32 weights, more than the {available / 2**30:.1f} GiB this machine "
+                       f"has available; use --layers 1 (the graphs repeat per layer)")
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

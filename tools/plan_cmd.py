@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from dualkv_compile.adapters import HF_FAMILIES
 from dualkv_compile.config import DualKVConfig
 
 from .models import CliError, model_dims
@@ -69,7 +70,7 @@ def run_plan(args, out=print) -> int:
         if value < 1:
             raise CliError(f"{flag} {value}: must be at least 1")
     gib = args.gpu_memory  # float("nan") and float("inf") parse, but are no amount of memory
-    if gib is not None and not (math.isfinite(gib) and gib > 0):
+    if gib is not None and not (math.isfinite(gib * GIB) and gib > 0):
         raise CliError(f"--gpu-memory {args.gpu_memory}: must be a positive, finite number of GiB")
     d = model_dims(args.model)
     limit = d.get("max_positions")
@@ -77,23 +78,27 @@ def run_plan(args, out=print) -> int:
         raise CliError(f"-P {args.P} + -R {args.R} = {args.P + args.R} positions, more than "
                        f"{args.model}'s maximum of {limit}")
     e = estimate(d, args.N, args.P, args.R, state_bytes=args.state_bytes)
+    kind = d.get("model_type")
+    if kind is not None and kind not in HF_FAMILIES:  # the estimate still holds for its shape
+        out(f"note: optimize() refuses model_type {kind!r} (it takes {list(HF_FAMILIES)}); "
+            "the figures below are for a decoder of this shape")
     mlp = (f"{d['experts']} experts of ff={d['ff']}, {d['active']} a token" if "experts" in d
            else f"ff={d['ff']}")
-    out(f"model {args.model}: {e['params'] / 1e9:.2f}B parameters ({d['layers']} layers, "
+    out(f"model {args.model}: {_count(e['params'])} parameters ({d['layers']} layers, "
         f"d={d['hidden']}, {d['heads']}/{d['kv_heads']} heads of {d['head_dim']}, "
         f"{mlp}, vocab {d['vocab']}); one group: N={args.N}, P={args.P}, R={args.R}")
     out(f"token reduction rho:          {e['rho']:.2f}x  "
         f"({args.N * (args.P + args.R)} -> {args.P + args.N * args.R} tokens)")
     out(f"attention FLOP reduction:     {e['pair_reduction']:.2f}x (causal pairs)")
-    out(f"fwd+bwd FLOPs per group:      {e['flops_plain'] / 1e12:.1f} -> "
-        f"{e['flops_dualkv'] / 1e12:.1f} TFLOP ({e['flops_plain'] / e['flops_dualkv']:.2f}x)")
-    out(f"activations per group:        {e['activation_bytes_plain'] / GIB:.2f} -> "
-        f"{e['activation_bytes_dualkv'] / GIB:.2f} GiB (bf16, no recomputation)")
-    out(f"  with layer checkpointing:   {e['checkpointed_bytes_plain'] / GIB:.2f} -> "
-        f"{e['checkpointed_bytes_dualkv'] / GIB:.2f} GiB")
-    out(f"  plus, per micro-batch:      {e['logits_bytes'] / GIB:.2f} GiB of LM-head logits "
+    out(f"fwd+bwd FLOPs per group:      {_count(e['flops_plain'], 'FLOP')} -> "
+        f"{_count(e['flops_dualkv'], 'FLOP')} ({e['flops_plain'] / e['flops_dualkv']:.2f}x)")
+    out(f"activations per group:        {_bytes(e['activation_bytes_plain'])} -> "
+        f"{_bytes(e['activation_bytes_dualkv'])} (bf16, no recomputation)")
+    out(f"  with layer checkpointing:   {_bytes(e['checkpointed_bytes_plain'])} -> "
+        f"{_bytes(e['checkpointed_bytes_dualkv'])}")
+    out(f"  plus, per micro-batch:      {_bytes(e['logits_bytes'])} of LM-head logits "
         f"(one chunk)")
-    out(f"weights, grads, optimizer:    {e['static_bytes'] / GIB:.2f} GiB "
+    out(f"weights, grads, optimizer:    {_bytes(e['static_bytes'])} "
         f"({args.state_bytes} bytes/parameter)")
     if args.gpu_memory is not None:
         free = args.gpu_memory * GIB - e["static_bytes"] - e["logits_bytes"]
@@ -108,3 +113,22 @@ def run_plan(args, out=print) -> int:
             out(f"groups per micro-batch in {args.gpu_memory:g} GiB, {kind}: "
                 f"plain {fit['plain']}, dualkv {fit['dualkv']}")
     return 0
+
+
+def _count(x: float, unit: str = "") -> str:
+    """8.19B parameters, 14818.1 TFLOP, 12.2 MFLOP: the largest prefix under which x >= 1."""
+    if unit:
+        prefixes, sep, digits = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)), " ", 1
+    else:
+        prefixes, sep, digits = (("B", 1e9), ("M", 1e6), ("K", 1e3)), "", 2
+    for prefix, scale in prefixes:
+        if x >= scale:
+            return f"{x / scale:.{digits}f}{sep}{prefix}{unit}"
+    return f"{x:.0f}{sep}{unit}"
+
+
+def _bytes(x: float) -> str:
+    for prefix, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.2f} {prefix}"
+    return f"{x:.0f} B"

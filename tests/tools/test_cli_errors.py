@@ -36,6 +36,9 @@ from dualkv_compile.tools.cli import main
      "4096: use --scale 4096 or less"),
     (["mask", "--pad-to", "1280000000", "--out", "m.png"], "packs 1,280,000,000 tokens"),
     (["bench"], "the following arguments are required: name"),
+    (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "--gpu-memory", "1e300"],
+     "--gpu-memory 1e+300: must be a positive, finite number of GiB"),  # inf once in bytes
+    (["mask", "--out", "m.jpg"], "--out 'm.jpg': the mask is drawn as a PNG; name a .png file"),
 ])
 def test_errors_exit_2_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a relative --out lands in a writable folder
@@ -116,12 +119,14 @@ def test_benchmarks_refuse_to_run_without_a_gpu(capsys):
         with pytest.raises(SystemExit) as exit_info:
             module.main(["--shapes", "2,128,128"])
         assert exit_info.value.code == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+        err = capsys.readouterr().err  # one line, not argparse's usage block
+        assert len(err.strip().splitlines()) == 1 and "needs a CUDA GPU" in err, err
     for module in (bench_ragged, bench_ab):  # these exited 1 with a bare message
         with pytest.raises(SystemExit) as exit_info:
             module.main(["--other-dir", "/tmp"] if module is bench_ab else [])
         assert exit_info.value.code == 2
-        assert "this benchmark needs a CUDA GPU" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "this benchmark needs a CUDA GPU" in err
 
 
 @pytest.mark.parametrize("module", ["bench_rollout", "bench_rollout_calls"])
@@ -147,28 +152,31 @@ def test_ragged_caps_are_checked_by_argparse_which_names_the_benchmark(caps, cap
         main(["bench", "ragged", "--tiles-only", "--caps", caps, "--seeds", "0"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: dualkv bench ragged" in err
-    assert f"dualkv bench ragged: error: argument --caps: caps '{caps}'" in err
+    assert err.startswith(f"dualkv bench ragged: error: argument --caps: caps '{caps}'")
+    assert len(err.strip().splitlines()) == 1, err
     from dualkv_compile.tools import bench
 
     with pytest.raises(SystemExit):  # the module's entry point names itself
         bench.main(["ragged", "--caps", caps])
-    assert "usage: python -m dualkv_compile.tools.bench ragged" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("python -m dualkv_compile.tools.bench ragged: error")
 
 
 @pytest.mark.parametrize("bench_name", ["ragged", "attention", "step", "rollout", "rollout-calls",
                                         "lm-head", "mask-forms", "linears", "ab"])
 def test_a_benchmarks_out_is_checked_before_the_work(bench_name, tmp_path, capsys):
-    """Before any model is built or anything timed: a missing directory, or OUT.json that is a
-    directory, ends the benchmark with argparse's usage and exit 2."""
+    """Before any model is built or anything timed: a missing directory, OUT.json that is a
+    directory, or OUT itself a directory (OUT.json would land beside it) ends the benchmark
+    with one line and exit 2."""
     (tmp_path / "x.json").mkdir()
     for out, message in [(f"{tmp_path}/missing/x", "no such directory"),
-                         (f"{tmp_path}/x", "x.json: is a directory; name a file")]:
+                         (f"{tmp_path}/x", "x.json: is a directory; name a file"),
+                         (str(tmp_path), "is a directory; name a file stem")]:
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", bench_name, "--out", out])
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert f"usage: dualkv bench {bench_name}" in err and message in err, err
+        assert err.startswith(f"dualkv bench {bench_name}: error") and message in err, err
+        assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -199,3 +207,48 @@ def test_plan_and_inspect_bound_what_they_take(argv, message, capsys):
     # grows with the square of a segment
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built(monkeypatch, capsys):
+    from dualkv_compile.tools import models
+
+    monkeypatch.setattr(models, "_available_memory", lambda: 4 * 2**30)
+    assert main(["inspect", "--model", "qwen3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert ("qwen3-8b with 36 layers holds 30.5 GiB of fp32 weights, more than the 4.0 GiB this "
+            "machine has available; use --layers 1") in err
+
+
+def test_a_closed_pipe_or_an_interrupt_ends_quietly(monkeypatch, capsys):
+    from dualkv_compile.tools import plan_cmd
+
+    for error, code in [(BrokenPipeError, 1), (KeyboardInterrupt, 130)]:
+        def stopped(args, error=error):
+            raise error()
+
+        monkeypatch.setattr(plan_cmd, "run_plan", stopped)
+        assert main(["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4"]) == code
+    assert capsys.readouterr().err.strip() == "dualkv plan: interrupted"
+
+
+def test_bench_ab_prepare_refuses_a_file_and_replaces_an_earlier_prepare(tmp_path, capsys):
+    import subprocess
+
+    from dualkv_compile.tools import bench_ab
+
+    if subprocess.run(["git", "-C", os.path.dirname(bench_ab.__file__), "rev-parse", "HEAD"],
+                      capture_output=True).returncode:
+        pytest.skip("not a git checkout: --prepare reads the commit from git")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        bench_ab.main(["--prepare", "HEAD", "--other-dir", str(tmp_path / "file")])
+    assert exit_info.value.code == 2
+    assert "--other-dir " + str(tmp_path / "file") + ": exists and is not a directory" in (
+        capsys.readouterr().err)
+    stale = tmp_path / "out" / bench_ab.OTHER / "stale.py"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")
+    bench_ab.main(["--prepare", "HEAD", "--other-dir", str(tmp_path / "out")])
+    assert not stale.exists() and (stale.parent / "__init__.py").is_file()
+
