@@ -1,8 +1,9 @@
 """Config and checkpoint edges where the builders and the checkpointer once differed from
 transformers without a word: rope_scaling beside rope_parameters, fields left out of
 config.json, a sharded checkpoint under a new single file, the saved config's dtype, a tied
-Qwen3-MoE checkpoint whose head differs, a missing expert, and the grouped expert op on no
-tokens."""
+Qwen3-MoE checkpoint whose head differs, a missing expert, the grouped expert op on no
+tokens, the saved weights' fsync order and a failed save, and non-default RoPE theta, norm eps
+and context read from the config."""
 
 import json
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 import transformers as tf  # noqa: E402  (a test dependency)
-from dualkv_compile.models import Qwen3HFCheckpointer, qwen3_from_hf_config
+from dualkv_compile.models import (Qwen3HFCheckpointer, load_hf_checkpoint,
+                                   qwen3_from_hf_config)
 from dualkv_compile.models.hf_checkpoint import read_hf_state, write_hf_state
+from dualkv_compile.testing import rel_err
 
 
 def _dense_config(tmp_path, **changes):
@@ -161,3 +164,28 @@ def test_the_grouped_expert_op_takes_no_tokens():
     assert out.shape == (0, 16)
     out.sum().backward()
     assert hidden.grad.shape == (0, 16) and (gate_up.grad == 0).all()
+
+
+def test_non_default_rope_theta_eps_and_context_are_read(tmp_path):
+    torch.manual_seed(0)
+    cfg = tf.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=300, rope_theta=1_000_000.0,
+                         rms_norm_eps=1e-2, tie_word_embeddings=False)
+    hf = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_theta" not in saved or saved["rope_theta"] == 1_000_000.0
+    ours = qwen3_from_hf_config(tmp_path)
+    attn = ours.layers[0].attn
+    assert attn.pos_embeddings.base == 1_000_000.0
+    assert ours.norm.eps == 1e-2 and ours.layers[0].sa_norm.eps == 1e-2
+    assert ours.max_seq_len == 300
+    load_hf_checkpoint(ours, tmp_path)
+    ours.eval()
+    tokens = torch.randint(0, 97, (2, 40))
+    pos = torch.arange(200, 240)[None].expand(2, -1)  # far positions: theta matters
+    with torch.no_grad():
+        ref = hf(input_ids=tokens, position_ids=pos, use_cache=False).logits
+        got = ours(tokens, input_pos=pos)
+    assert rel_err(got, ref) < 1e-5

@@ -1,5 +1,6 @@
 """Useful FLOPs (dualkv_compile.rl.flops) checked against torch's FlopCounterMode on the plain
-forward of one row, which counts dense attention (the full square) and the LM head everywhere."""
+forward of one row, which counts dense attention (the full square) and the LM head everywhere;
+and on two rows sharing a prompt, whose packed tokens and pairs count the prompt once."""
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -51,4 +52,25 @@ def test_moe_flops_count_a_tokens_active_experts():
     pairs = length * (length + 1) // 2
     expected = (2 * per_layer * layers * length + 4 * heads * hd * pairs * layers
                 + 2 * 97 * d * r)
+    assert forward_flops(model, packed) == expected
+
+
+def test_forward_flops_count_a_shared_prompt_once():
+    torch.manual_seed(0)
+    heads, head_dim, vocab, dim, layers = 4, 16, 97, 64, 3
+    model = qwen3(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=2,
+                  embed_dim=dim, intermediate_dim=96, head_dim=head_dim)
+    # per-token matmul FLOPs of the layers, from a counted one-token forward
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(torch.randint(1, vocab, (1, 1)))
+    per_token = counter.get_total_flops() - 4 * heads * head_dim * layers - 2 * vocab * dim
+    p, r1, r2 = 11, 5, 3
+    prompt = torch.randint(1, vocab, (1, p))
+    tokens = torch.cat([prompt.expand(2, -1), torch.randint(1, vocab, (2, r1))], 1)
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[1, p + r2:] = False
+    packed = pack(tokens, prompt_len=p, padding_mask=mask)
+    pairs = p * (p + 1) // 2 + sum(p * r + r * (r + 1) // 2 for r in (r1, r2))
+    expected = (per_token * (p + r1 + r2) + 4 * heads * head_dim * pairs * layers
+                + 2 * vocab * dim * (r1 + r2))
     assert forward_flops(model, packed) == expected

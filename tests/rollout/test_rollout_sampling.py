@@ -1,0 +1,43 @@
+"""Sampling against independent references: top-p keeps the smallest set whose mass reaches
+top_p, exactly as transformers' TopPLogitsWarper on ties; the engine's returned logprobs equal a
+full forward of the plain model at the sampling temperature (CPU, float64)."""
+
+import torch
+
+from dualkv_compile.models import qwen3
+from dualkv_compile.rollout import RolloutEngine
+from dualkv_compile.rollout.sampling import _top_p
+from dualkv_compile.testing import same_dtype_numerics
+
+
+def test_top_p_stops_at_the_set_that_reaches_top_p_exactly():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.zeros(1, 4)  # four tokens of probability exactly 0.25
+    for top_p, kept in ((0.5, 2), (0.75, 3), (0.25, 1), (1.0 - 2 ** -3, 4)):
+        ours = _top_p(logits, top_p).isfinite()
+        theirs = TopPLogitsWarper(top_p)(None, logits.clone()).isfinite()
+        assert int(ours.sum()) == kept and int(theirs.sum()) == kept, top_p
+
+
+def test_engine_logprobs_equal_a_full_forward_at_the_temperature():
+    torch.manual_seed(0)
+    vocab, temperature, samples, t = 61, 0.7, 3, 7
+    model = qwen3(vocab_size=vocab, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
+                  intermediate_dim=64, head_dim=8, max_seq_len=128)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model = same_dtype_numerics(model.to(torch.float64).eval())
+    prompts = torch.randint(2, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    tokens, lp = RolloutEngine(model).generate(
+        prompts, samples=samples, max_generated_tokens=t, pad_id=0, temperature=temperature,
+        rng=torch.Generator().manual_seed(3), return_logprobs=True)
+    batch = torch.cat([prompts.repeat_interleave(samples, 0), tokens], 1)
+    p = prompts.shape[1]
+    with torch.no_grad():
+        logits = model(batch)[:, p - 1:p - 1 + t].double()
+    want = (logits / temperature).log_softmax(-1).gather(2, tokens[..., None])[..., 0]
+    assert lp.dtype == torch.float32  # the engine keeps logprobs in float32
+    assert (lp.double() - want).abs().max() < 1e-6  # float32 rounding of values up to ~6
