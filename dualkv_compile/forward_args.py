@@ -40,7 +40,8 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
         raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
     check_tokens(tokens)
     if positions is not None:
-        mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        mask = (padding_mask if padding_mask is not None
+                else torch.ones_like(tokens, dtype=torch.bool))
         expected = row_positions(mask)
         if not torch.equal(torch.where(mask, positions, 0), torch.where(mask, expected, 0)):
             raise ValueError("the given positions differ from 0.. over each row's valid "

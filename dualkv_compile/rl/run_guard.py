@@ -18,9 +18,10 @@ from pathlib import Path
 from ..durable import sync, sync_entry, write_failed
 from .recipe_config import ConfigError
 
-__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "SEEDS", "RunFailed", "RunLock", "StopOnSignal", "apply_config_changes",
-           "check_output_dir", "check_resume_config", "config_changes", "load_checkpoint",
-           "prepare_output_dir", "read_resume_checkpoint", "set_aside", "write_checkpoint"]
+__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "SEEDS", "RunFailed", "RunLock", "StopOnSignal",
+           "apply_config_changes", "check_output_dir", "check_resume_config", "config_changes",
+           "load_checkpoint", "prepare_output_dir", "read_resume_checkpoint", "set_aside",
+           "write_checkpoint"]
 
 CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
 # config keys (and sections) a resumed run must share with its checkpoint: the saved weights and
@@ -234,13 +235,15 @@ def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_s
         return read_resume_checkpoint(checkpoint, num_steps=num_steps, world_size=world_size,
                                       config=config)
     if overwrite and rank == 0:
-        inside = log_dir and Path(log_dir).resolve().is_relative_to(checkpoint.parent.resolve())
+        run_dir = checkpoint.parent.resolve()  # (a log_dir that is output_dir itself stays)
+        inside = log_dir and Path(log_dir).resolve() != run_dir and \
+            Path(log_dir).resolve().is_relative_to(run_dir)
         earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*"))),
                    *([Path(log_dir)] if inside else [])]
         made = set_aside(earlier)
         if made:
-            print(f"overwrite_output_dir=true: the earlier run's checkpoint, weights and logs were "
-                  f"moved to {', '.join(map(str, made))}", flush=True)
+            print(f"overwrite_output_dir=true: the earlier run's checkpoint, weights and logs "
+                  f"were moved to {', '.join(map(str, made))}", flush=True)
     return None, {}
 
 
