@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ __all__ = ["run_inspect"]
 # the packed tokens inspect traces at most: its CPU run (the reference attention, the graph
 # passes) grows with the square of a segment's length
 MAX_TOKENS = 65536
+SLOW_TOKENS = 8192  # from here on a trace takes seconds to minutes: say so before it starts
 STAGES = {"traced": "graph traced by Dynamo (before the passes)",
           "checkpoint_inline": "after inlining the activation-checkpointed layers",
           "attention_rewrite": "after the attention rewrite",
@@ -78,6 +80,10 @@ def run_inspect(args, out=print) -> int:
     wrapper._observer = lambda stage, gm: stages.append((stage, graph_text(gm), gm))
     dk.counters.clear()
     refusal = None
+    if packed.seq_len >= SLOW_TOKENS:  # (on stderr: stdout may be piped into a file)
+        print(f"tracing {args.model} through optimize() on {packed.seq_len:,} packed tokens "
+              "(the CPU reference attention runs too; this can take a minute)...",
+              file=sys.stderr, flush=True)
     try:
         with torch.no_grad():
             wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)

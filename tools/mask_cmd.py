@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def write_png(path: Path, pixels: torch.Tensor) -> None:
 # the drawing holds [blocks, blocks] classes and an image of that many pixels a side (at
 # least); --scale may enlarge the image up to MAX_SIDE pixels a side (50 MB of RGB)
 MAX_BLOCKS = 4096
+SLOW_TOKENS = 65536  # from here on the classification takes many seconds: say so first
 MAX_SIDE = 4096
 
 
@@ -63,6 +65,9 @@ def run_mask(args, out=print) -> int:
         lengths = [[args.response_len] * args.group_size for _ in range(args.groups)]
     tokens, mask, p = make_batch([args.prompt_len] * args.groups, lengths, generator=g)
     packed = dk.pack(tokens, prompt_len=p, padding_mask=mask, pad_to=args.pad_to)
+    if packed.seq_len >= SLOW_TOKENS:  # (on stderr: stdout may be piped into a file)
+        print(f"classifying the {packed.seq_len // BLOCK_SIZE:,} x {packed.seq_len // BLOCK_SIZE:,}"
+              " blocks (this can take a minute)...", file=sys.stderr, flush=True)
     classes = block_classes(packed)  # [Qb, Kb]: 0 empty, 1 partial, 2 full
     nb = classes.shape[0]
     total = nb * nb
