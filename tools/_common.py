@@ -15,8 +15,8 @@ import torch
 
 from .models import CliError
 
-__all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path", "environment",
-           "interleaved_medians", "parse_shape", "positive_int", "write_results"]
+__all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
+           "environment", "interleaved_medians", "parse_shape", "positive_int", "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -29,7 +29,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (argparse reports anything else with the usage)."""
+    """An argparse type: an integer >= 1 (anything else is the parser's one-line error)."""
     try:
         value = int(text)
     except ValueError:
@@ -76,7 +76,7 @@ def check_out_path(out: str, *, folder: bool) -> Path:
 
 def add_out_argument(ap: argparse.ArgumentParser, suffixes=(".json", ".md")) -> None:
     """--out OUT: a benchmark writes OUT + each suffix; the paths are checked when the
-    arguments are parsed, before any work (argparse reports a bad one with the usage, exit 2)."""
+    arguments are parsed, before any work (a bad one is the parser's one-line error, exit 2)."""
     def stem(text: str) -> str:
         if Path(text).is_dir():  # OUT.json would land beside it, not in it
             raise argparse.ArgumentTypeError(f"--out {text}: is a directory; name a file stem "
