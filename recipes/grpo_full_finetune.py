@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torchtune import config
 from tqdm import tqdm
 
 import dualkv_compile as dk
 from dualkv_compile.rl import (group_advantages, overlong_penalty, peak_bf16_tflops,
                                policy_update_flops, scored_groups)
 from dualkv_compile.rl import distributed as ddp
+from dualkv_compile.rl.metric_log import open_metric_logger
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
 from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal,
@@ -146,9 +146,9 @@ class GRPORecipe:
         if self.peak_tflops is None and self.device.type == "cuda" and self.rank == 0:
             print(f"mfu_useful is not logged: the bf16 peak of {torch.cuda.get_device_name()} "
                   "is not in dualkv_compile.rl.flops; set peak_tflops=<TFLOP/s>", flush=True)
-        self.metric_logger = config.instantiate(cfg.metric_logger) if self.rank == 0 else None
-        if self.metric_logger is not None:
-            self.metric_logger.log_config(cfg)
+        self.metric_logger = open_metric_logger(
+            cfg.metric_logger, cfg, output_dir=self.output_dir,
+            resume_step=self.step if cfg.resume_from_checkpoint else None) if self.rank == 0 else None
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _checkpoint_path(self) -> Path:

@@ -5,6 +5,7 @@ from .dynamic_sampling import ScoredGroups, scored_groups
 from .flops import forward_flops, peak_bf16_tflops, policy_update_flops
 from .hf_tokenizer import HFTokenizer
 from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
+from .metric_log import TensorBoardLogger
 from .math_task import MathJSONLTask, final_number
 from ..rollout import generate_groups, plan_calls
 from .rollout_batch import rollout_batch, truncated_responses
@@ -23,6 +24,7 @@ __all__ = [
     "RepeatLastLetterTask",
     "ScoredGroups",
     "StepStats",
+    "TensorBoardLogger",
     "final_number",
     "forward_flops",
     "generate_groups",

@@ -49,6 +49,8 @@ def read_scalars(folder: Path) -> dict[str, list[float]]:
     for path in sorted(folder.rglob("events.out.tfevents.*")):
         for event in EventFileLoader(str(path)).Load():
             for v in event.summary.value:
+                if v.metadata.plugin_data.plugin_name == "text":  # the config (log_config)
+                    continue
                 x = v.simple_value if v.HasField("simple_value") else tensor_util.make_ndarray(v.tensor)
                 out.setdefault(v.tag, []).append(float(x))
     return out
@@ -71,6 +73,33 @@ def test_resume_continues_the_step_count_and_data_order(tmp_path):
     for a, b in zip(full.history[2:], resumed.history):
         assert a["reward"] == b["reward"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+
+
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path, capsys):
+    """A run killed after logging step 3 but before its checkpoint (here: checkpoint at 2, no
+    final save) and resumed: TensorBoard reads one run with steps 1-4, step 3 as re-run."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    run(tmp_path, "killed", num_steps=3, save_every=2, save_final_checkpoint=False)
+    resumed = run(tmp_path, "killed", num_steps=4, resume_from_checkpoint=True)
+    runs = sorted((tmp_path / "killed" / "tensorboard").glob("run_*"))
+    assert len(runs) == 1, runs  # the resumed run continued the interrupted one's folder
+    events = EventAccumulator(str(runs[0]))
+    events.Reload()
+    # TensorBoard's Python reader (the plugin accumulator: new-style scalars are tensors)
+    rewards = {e.step: float(e.tensor_proto.float_val[0]) for e in events.Tensors("reward")}
+    assert [e.step for e in events.Tensors("reward")] == [1, 2, 3, 4]
+    assert rewards[3] == resumed.history[0]["reward"] and rewards[4] == resumed.history[1]["reward"]
+    assert "metric_logger: a new run" not in capsys.readouterr().out
+
+
+def test_a_logger_that_cannot_continue_a_run_says_so_on_resume(tmp_path, capsys):
+    tb = {"_component_": "torchtune.training.metric_logging.DiskLogger",
+          "log_dir": str(tmp_path / "disk")}
+    run(tmp_path, "disk", num_steps=1, metric_logger=tb)
+    run(tmp_path, "disk", num_steps=2, metric_logger=tb, resume_from_checkpoint=True)
+    out = capsys.readouterr().out
+    assert "metric_logger: a new run from step 2 (DiskLogger cannot continue a run" in out
 
 
 def test_dapo_config_on_and_off_agree(tmp_path):

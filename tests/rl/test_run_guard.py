@@ -149,7 +149,9 @@ def test_a_required_key_left_out_is_named():
 
 
 def test_a_key_a_kwargs_component_does_not_name_is_warned_about():
-    warnings = check_recipe_config(_config(**{"metric_logger.organize_log": False}),
+    torchtune_logger = "torchtune.training.metric_logging.TensorBoardLogger"  # takes **kwargs
+    warnings = check_recipe_config(_config(**{"metric_logger._component_": torchtune_logger,
+                                              "metric_logger.organize_log": False}),
                                    config_file="x", overrides=[])
     assert len(warnings) == 1 and warnings[0].startswith("metric_logger.organize_log (x): not a")
     assert "did you mean 'organize_logs'?" in warnings[0]

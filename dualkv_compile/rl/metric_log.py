@@ -1,0 +1,107 @@
+"""TensorBoard logging that survives a resume: a run continued from its checkpoint writes into
+the folder of the run it continues, and TensorBoard drops what the interrupted run logged
+after that checkpoint, so every step shows once and the curves stay one run.
+
+torchtune's TensorBoardLogger starts a new run folder per process: after a hard kill between
+a logged step and its checkpoint, the resumed run logs those steps again beside the first
+ones. The recipe takes any torchtune metric logger and says so once when it resumes with one
+that cannot continue (open_metric_logger).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["TensorBoardLogger", "open_metric_logger"]
+
+_OWNER = "dualkv_run.json"  # in each run folder: the output_dir whose run it is
+
+
+class TensorBoardLogger:
+    """torchtune's metric-logger interface (log, log_dict, log_config, close) over
+    torch.utils.tensorboard. Each run gets a folder `log_dir/run_<UTC time>`; `resume(step)`
+    continues this output_dir's newest one instead, hiding its steps after `step`
+    (SummaryWriter's purge_step, which TensorBoard applies on read)."""
+
+    def __init__(self, log_dir: str, output_dir: str | None = None):
+        self.log_dir = Path(log_dir)
+        self._owner = str(Path(output_dir).resolve()) if output_dir else None
+        self.run_dir: Path | None = None
+        # a SessionLog.START event opens every run's events: TensorBoard's Python reader
+        # purges on a START only after a first one (its rust reader drops steps at or past one
+        # that comes again, in file order)
+        self._purge_step = 0
+        self._writer = None
+
+    def resume(self, step: int) -> bool:
+        """Continue this output_dir's newest run after `step`; False when there is none to
+        continue (a new run folder is made on the first log)."""
+        runs = [d for d in sorted(self.log_dir.glob("run_*")) if self._owns(d)]
+        if not runs:
+            return False
+        self.run_dir, self._purge_step = runs[-1], step + 1
+        # TensorBoard reads a folder's event files in name order, whose first field is the
+        # second they were opened in: the new file must sort after the interrupted run's
+        newest = max((int(f.name.split(".")[3]) for f in self.run_dir.glob("events.out.tfevents.*")
+                      if f.name.split(".")[3].isdigit()), default=0)
+        while int(time.time()) <= newest:
+            time.sleep(0.05)
+        return True
+
+    def _owns(self, run_dir: Path) -> bool:
+        try:
+            return json.loads((run_dir / _OWNER).read_text()).get("output_dir") == self._owner
+        except (OSError, ValueError):
+            return False
+
+    def _open(self):
+        from torch.utils.tensorboard import SummaryWriter
+        if self.run_dir is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{time.time_ns() % 10**9:09d}"
+            self.run_dir = self.log_dir / f"run_{stamp}"
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / _OWNER).write_text(json.dumps({"output_dir": self._owner}) + "\n")
+        self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=self._purge_step)
+        return self._writer
+
+    def log(self, name: str, data: float, step: int) -> None:
+        (self._writer or self._open()).add_scalar(name, data, global_step=step, new_style=True)
+
+    def log_dict(self, payload: dict, step: int) -> None:
+        for name, data in payload.items():
+            self.log(name, data, step)
+
+    def log_config(self, config: DictConfig | dict) -> None:
+        """The resolved config as text, beside the curves (each resume adds its own)."""
+        text = OmegaConf.to_yaml(OmegaConf.create(config), resolve=True)
+        (self._writer or self._open()).add_text("config", f"```\n{text}\n```")
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def open_metric_logger(cfg: DictConfig, run_cfg: DictConfig, *, output_dir: Path,
+                       resume_step: int | None):
+    """The recipe's metric logger from its config section, with `run_cfg` logged. A resumed
+    run continues its earlier TensorBoard run where the logger can (TensorBoardLogger) and
+    says once where it cannot."""
+    from .recipe_config import instantiate_checked
+    ours = OmegaConf.select(cfg, "_component_") == "dualkv_compile.rl.TensorBoardLogger"
+    logger = instantiate_checked("metric_logger", cfg,
+                                 **({"output_dir": str(output_dir)} if ours else {}))
+    if resume_step is not None and not (isinstance(logger, TensorBoardLogger)
+                                        and logger.resume(resume_step)):
+        why = (f"no earlier run of {output_dir} in {logger.log_dir}"
+               if isinstance(logger, TensorBoardLogger) else
+               f"{type(logger).__name__} cannot continue a run; "
+               "dualkv_compile.rl.TensorBoardLogger can")
+        print(f"metric_logger: a new run from step {resume_step + 1} ({why}): steps after "
+              f"{resume_step} that the interrupted run logged stay in its run too", flush=True)
+    logger.log_config(run_cfg)
+    return logger
