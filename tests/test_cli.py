@@ -40,8 +40,17 @@ def test_inspect_shows_each_pass_and_writes_graphs_and_svg(tmp_path, capsys):
     stored = sections["after storing the position tables"]
     assert stored.count("= materialize.default(") == 8  # cos, sin for q, k of 2 layers
     svg = ET.parse(tmp_path / "attention_region.svg").getroot()
-    labels = " ".join(t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+    ns = "{http://www.w3.org/2000/svg}"
+    labels = " ".join(t.text or "" for t in svg.iter(f"{ns}text"))
     assert "flex_attention" in labels
+    # a label too long for its box is cut with an ellipsis; its tooltip holds all of it
+    for box in svg.iter(f"{ns}g"):
+        title = box.find(f"{ns}title").text.split("\n")
+        for shown, whole in zip((t.text or "" for t in box.iter(f"{ns}text")), title):
+            assert len(shown) <= 28
+            assert shown == whole or (shown.endswith("\u2026") and whole.startswith(shown[:-1])
+                                      and len(whole) > 28)
+    assert any(t.text.endswith("\u2026") for t in svg.iter(f"{ns}text") if t.text)
 
 
 def test_inspect_shows_the_regions_rewrite(tmp_path, capsys):
@@ -117,6 +126,26 @@ def test_mask_names_flash_causal_form_on_block_aligned_layouts(tmp_path, capsys)
     args = ["--groups", "1", "--group-size", "4", "--prompt-len", "256", "--response-len", "128"]
     assert main(["mask", *args, "--out", str(tmp_path / "m.png")]) == 0
     assert "every block lies in one segment: eager FLASH calls of the op run FA4's causal" in capsys.readouterr().out
+
+
+def test_mask_ragged_prints_the_lengths_it_drew_with_its_seed(tmp_path, capsys):
+    args = ["--groups", "2", "-N", "3", "-P", "100", "-R", "90", "--ragged",
+            "--out", str(tmp_path / "m.png")]
+    drawn = {}
+    for seed in (0, 1):
+        assert main(["mask", *args, "--seed", str(seed)]) == 0
+        out = capsys.readouterr().out
+        assert f"response lengths drawn (seed {seed}):" in out
+        lengths = [[int(x) for x in line.split(":")[1].split()]
+                   for line in out.splitlines() if line.startswith("  group ")]
+        assert len(lengths) == 2 and all(len(g) == 3 and all(0 <= x <= 90 for x in g)
+                                         for g in lengths)
+        # the layout drawn is the one printed: its token reduction
+        tokens, mask, p = make_batch([100, 100], lengths, generator=torch.Generator())
+        packed = pack(tokens, prompt_len=p, padding_mask=mask)
+        assert f"T={packed.seq_len} tokens" in out and f"rho={packed.rho:.2f}," in out
+        drawn[seed] = lengths
+    assert drawn[0] != drawn[1]
 
 
 def test_plan_prints_the_estimate(capsys):

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     _layout(msk)
     msk.add_argument("--ragged", action="store_true",
                      help="random response lengths up to --response-len")
+    msk.add_argument("--seed", type=int, default=0,
+                     help="the seed of --ragged's response lengths (default 0)")
     msk.add_argument("--pad-to", type=positive_int, default=128, help="T multiple (of 128)")
     msk.add_argument("--scale", type=positive_int, default=None, help="pixels per block")
     msk.add_argument("--out", required=True, help="PNG file to write")

@@ -106,11 +106,17 @@ def attention_region_svg(gm: fx.GraphModule, depth_in: int = 3, depth_out: int =
                            f'y2="{y + box_h / 2}" stroke="#888"/>')
     for node, (x, y) in pos.items():
         fill = "#f4a261" if node is attn else "#e9f1f7"
-        label = html.escape(f"{node.name}: {_target(node)}"[:30])
-        shape = html.escape(_shape(node).strip()[:30])
+        label, shape = f"{node.name}: {_target(node)}", _shape(node).strip()
+        # a box holds 28 characters; the whole text is the node's tooltip (<title>)
+        out.append(f"<g><title>{html.escape(label)}\n{html.escape(shape)}</title>")
         out.append(f'<rect x="{x}" y="{y}" width="{box_w}" height="{box_h}" rx="5" '
                    f'fill="{fill}" stroke="#335"/>')
-        out.append(f'<text x="{x + 6}" y="{y + 14}">{label}</text>')
-        out.append(f'<text x="{x + 6}" y="{y + 27}" fill="#555">{shape}</text>')
+        out.append(f'<text x="{x + 6}" y="{y + 14}">{html.escape(_fit(label))}</text>')
+        out.append(f'<text x="{x + 6}" y="{y + 27}" fill="#555">{html.escape(_fit(shape))}</text>')
+        out.append("</g>")
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _fit(text: str, width: int = 28) -> str:
+    return text if len(text) <= width else text[: width - 1] + "\u2026"

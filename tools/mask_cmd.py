@@ -57,10 +57,13 @@ def run_mask(args, out=print) -> int:
                        f"mask drawing is bounded at {MAX_BLOCKS} blocks "
                        f"({MAX_BLOCKS * BLOCK_SIZE:,} tokens): draw fewer groups, shorter "
                        "sequences or a smaller --pad-to")
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(args.seed)
     if args.ragged:
         lengths = [[int(x) for x in torch.randint(0, args.response_len + 1, (args.group_size,),
                                                   generator=g)] for _ in range(args.groups)]
+        out(f"response lengths drawn (seed {args.seed}):")
+        for i, group in enumerate(lengths):
+            out(f"  group {i}: {' '.join(map(str, group))}")
     else:
         lengths = [[args.response_len] * args.group_size for _ in range(args.groups)]
     tokens, mask, p = make_batch([args.prompt_len] * args.groups, lengths, generator=g)
