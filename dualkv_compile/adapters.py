@@ -8,13 +8,24 @@ from torch import Tensor, nn
 
 from .hf_config import SEQUENCE_DEPENDENT_ROPE, rope_types, sliding_window
 
-__all__ = ["HF_FAMILIES", "adapter_for"]
+__all__ = ["HF_FAMILIES", "adapter_for", "token_vocabulary"]
 
 
 # the name of the hook transformers' enable_input_require_grads() registers (a local function;
 # its handles cannot be read inside a traced function)
 _REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
 _TIED_LINEAR = "torchtune.modules.tied_linear.TiedLinear"
+
+
+def token_vocabulary(embedding_rows: int, head_rows: int, *, sampling: bool = False) -> int:
+    """The ids a model takes as tokens: an input (an embedding row) and a logprob's target (an
+    LM-head row), so [0, min(rows)). A sampler draws over the head's rows and feeds each draw
+    back as input, so `sampling` refuses a head with more rows than the embedding."""
+    if sampling and head_rows > embedding_rows:
+        raise ValueError(f"the LM head has {head_rows} rows but the input embedding "
+                         f"{embedding_rows}: a token sampled past {embedding_rows - 1} could not "
+                         "be fed back; resize the embedding to the head's vocabulary")
+    return min(embedding_rows, head_rows)
 
 
 def _embed_without_require_grads_hook(model, tokens):
@@ -136,7 +147,8 @@ class _Torchtune:
         return model.output(hidden).float()
 
     def vocab_size(self, model) -> int:
-        return model.tok_embeddings.num_embeddings
+        return token_vocabulary(model.tok_embeddings.num_embeddings,
+                                self.lm_head_weight(model).shape[0])
 
     def lm_head_weight(self, model) -> Tensor:
         out = model.output
@@ -233,7 +245,8 @@ class _HuggingFace:
         return model.get_output_embeddings()(hidden)
 
     def vocab_size(self, model) -> int:
-        return model.get_input_embeddings().num_embeddings
+        return token_vocabulary(model.get_input_embeddings().num_embeddings,
+                                self.lm_head_weight(model).shape[0])
 
     def lm_head_weight(self, model) -> Tensor:
         return model.get_output_embeddings().weight

@@ -159,6 +159,17 @@ def test_heads_that_are_not_a_plain_linear_map_are_rejected():
         dk.optimize(hf)
 
 
+def test_a_token_must_be_both_an_embedding_row_and_an_lm_head_row():
+    from dualkv_compile.models import tiny_decoder
+
+    model = tiny_decoder(vocab_size=12)
+    model.output = torch.nn.Linear(64, 10, bias=False)  # a head narrower than the embedding
+    tokens, mask, p = make_batch([4], [[3, 3]], vocab=10, generator=torch.Generator().manual_seed(0))
+    tokens[0, -1] = 11  # an input the embedding takes, but no logprob target
+    with pytest.raises(ValueError, match=r"id 11, outside the model's vocabulary \[0, 10\)"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
 def test_torchtune_mask_and_input_pos_are_accepted():
     from torchtune.generation import (
         get_causal_mask_from_padding_mask,

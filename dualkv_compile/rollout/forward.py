@@ -17,6 +17,7 @@ import sys
 
 from torch import Tensor, nn
 
+from ..adapters import token_vocabulary
 from ..hf_config import sliding_window
 
 __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
@@ -70,6 +71,9 @@ class _TorchtuneDecoder:
                                      "forward the engine does not know")
             if not attn.is_causal or attn.pos_embeddings is None:
                 raise _refuse(model, f"layer {i}'s attention is not causal self-attention with RoPE")
+        if not (hasattr(model.output, "tied_module") or isinstance(model.output, nn.Linear)):
+            raise _refuse(model, f"its output is a {type(model.output).__name__}, not an "
+                                 "nn.Linear or torchtune's TiedLinear")
         first = _unwrap(self.layers[0].attn)
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.head_dim
@@ -83,7 +87,10 @@ class _TorchtuneDecoder:
     @property
     def vocab_size(self) -> int:
         """Read on each call: the model's embedding may be resized after the engine is built."""
-        return self.model.tok_embeddings.num_embeddings
+        out = self.model.output
+        head = out.tied_module.weight if hasattr(out, "tied_module") else out.weight
+        return token_vocabulary(self.model.tok_embeddings.num_embeddings, head.shape[0],
+                                sampling=True)
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.model.tok_embeddings(tokens)
@@ -141,8 +148,9 @@ class _HFDecoder:
 
     @property
     def vocab_size(self) -> int:
-        """The LM head's rows, read on each call (resize_token_embeddings may change them)."""
-        return self.model.lm_head.weight.shape[0]
+        """Read on each call (resize_token_embeddings may change it)."""
+        return token_vocabulary(self.base.embed_tokens.num_embeddings,
+                                self.model.lm_head.weight.shape[0], sampling=True)
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.base.embed_tokens(tokens)

@@ -131,3 +131,13 @@ def test_a_one_token_left_padded_prompt_agrees_with_the_reference(family):
     prompts = torch.tensor([[EOS, EOS, 11], [EOS, 12, 13], [14, EOS, EOS]])
     tokens, _, theirs = run(model_of(family), prompts)
     assert torch.equal(tokens, theirs)
+
+
+def test_an_lm_head_wider_than_the_embedding_is_refused():
+    """A sampled id past the embedding could not be fed back: refused before any decoding."""
+    model = model_of("qwen3")
+    model.output = torch.nn.Linear(32, VOCAB + 2, bias=False, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"the LM head has {VOCAB + 2} rows but the input "
+                                         f"embedding {VOCAB}"):
+        RolloutEngine(model).generate(LEFT, samples=2, max_generated_tokens=4, pad_id=EOS,
+                                      rng=torch.Generator().manual_seed(0))
