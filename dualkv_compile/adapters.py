@@ -8,13 +8,26 @@ from torch import Tensor, nn
 
 from .hf_config import SEQUENCE_DEPENDENT_ROPE, rope_types, sliding_window
 
-__all__ = ["HF_FAMILIES", "adapter_for", "token_vocabulary"]
+__all__ = ["HF_FAMILIES", "adapter_for", "has_dropout", "token_vocabulary"]
 
 
 # the name of the hook transformers' enable_input_require_grads() registers (a local function;
 # its handles cannot be read inside a traced function)
 _REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
 _TIED_LINEAR = "torchtune.modules.tied_linear.TiedLinear"
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Any dropout that train mode would apply: nn.Dropout modules, or the attention dropout
+    rates torchtune (attn_dropout) and transformers (attention_dropout) keep as numbers."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for name in ("attn_dropout", "attention_dropout"):
+            rate = getattr(m, name, 0.0)
+            if isinstance(rate, (int, float)) and rate > 0:
+                return True
+    return False
 
 
 def token_vocabulary(embedding_rows: int, head_rows: int, *, sampling: bool = False) -> int:

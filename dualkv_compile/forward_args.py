@@ -28,11 +28,14 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
     positions = kwargs.pop("input_pos" if tt else "position_ids", None)
     name = "mask" if tt else "attention_mask"
     masks = [kwargs.pop(name, None), kwargs.pop("padding_mask", None)]
+    name_given = masks[0] is not None
     if tt and masks[0] is not None:
         masks[0] = padding_from_torchtune_mask(adapter, masks[0], positions)
     if not tt:
         kwargs.pop("use_cache", None)
     masks = [as_padding_mask(m) for m in masks if m is not None]
+    if not tt and positions is None and name_given:
+        _check_no_gaps(masks[0])
     if len(masks) == 2 and not torch.equal(*masks):
         raise ValueError(f"{name} and padding_mask describe different padding")
     padding_mask = masks[0] if masks else None
@@ -47,6 +50,20 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
             raise ValueError("the given positions differ from 0.. over each row's valid "
                              "tokens, which is what the packed layout uses")
     return tokens, padding_mask
+
+
+def _check_no_gaps(attention_mask: Tensor) -> None:
+    """transformers' forward numbers positions 0..L-1 when position_ids is not given, across
+    any padding; the packed layout numbers each row's valid tokens from 0. The two agree up to
+    a shift (RoPE sees only differences) unless padding lies between a row's tokens."""
+    before = attention_mask.cummax(1).values
+    after = attention_mask.flip(1).cummax(1).values.flip(1)
+    gaps = (~attention_mask & before & after).any(1).nonzero()[:, 0].tolist()
+    if gaps:
+        raise ValueError(f"attention_mask rows {gaps[:8]} have padding between their tokens: "
+                         "without position_ids the model numbers positions across it and the "
+                         "packed layout does not; pass position_ids "
+                         "((attention_mask.cumsum(-1) - 1).clamp(min=0)) or padding_mask=")
 
 
 def padding_from_torchtune_mask(adapter, mask: Tensor, positions: Tensor | None) -> Tensor:

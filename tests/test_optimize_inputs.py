@@ -39,6 +39,27 @@ def test_forward_accepts_the_models_own_arguments():
         wrapper(input_ids=tokens, labels=tokens, prompt_len=p)
 
 
+def test_padding_between_tokens_needs_position_ids():
+    """Without position_ids transformers numbers positions 0..L-1 across padding; the packed
+    layout numbers valid tokens. Left padding only shifts them (RoPE sees differences: equal
+    up to rounding); padding between a prompt and its responses changes the result: refused."""
+    model = same_dtype_numerics(tiny_model("hf_qwen3")).double()
+    wrapper = dk.optimize(model)
+    tokens, mask, p = make_batch([5, 3], [[4, 4], [4, 2]], vocab=90, pad_side="left")
+    with torch.no_grad():
+        out = wrapper(input_ids=tokens, attention_mask=mask.long(), prompt_len=p).logits
+        ref = model(input_ids=tokens, attention_mask=mask.long()).logits
+    assert (out - ref)[mask].abs().max() < 1e-7  # the shift's rounding, in fp64
+    tokens, mask, p = make_batch([5, 3], [[4, 4], [4, 2]], vocab=90, pad_side="right")
+    with pytest.raises(ValueError, match=r"attention_mask rows \[2, 3\] have padding between"):
+        wrapper(input_ids=tokens, attention_mask=mask.long(), prompt_len=p)
+    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    out = wrapper(input_ids=tokens, attention_mask=mask.long(), position_ids=positions,
+                  prompt_len=p).logits
+    ref = model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions).logits
+    assert rel_err(out[mask], ref[mask]) < TOL
+
+
 def test_unsupported_models_are_named():
     with pytest.raises(TypeError, match="got torch.nn.modules.linear.Linear"):
         dk.optimize(torch.nn.Linear(2, 2))

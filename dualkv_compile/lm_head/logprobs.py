@@ -223,8 +223,28 @@ def _token_loss_grad(token_loss, logprobs: Tensor, index: Tensor) -> tuple[Tenso
         losses = _checked(token_loss(x, index), x)
         if not losses.requires_grad:
             raise ValueError("token_loss's result does not depend on the logprobs it was given")
+        if _reaches_another_leaf(losses, x):
+            raise ValueError("token_loss uses a tensor that requires grad besides the logprobs "
+                             "(a learnable coefficient?): the fused LM head passes gradients "
+                             "through the logprobs only, so its gradient would be lost; "
+                             "compute that term from response_logprobs' output instead")
         (grad,) = torch.autograd.grad(losses.sum(), x)
     return losses.detach(), grad
+
+
+def _reaches_another_leaf(losses: Tensor, x: Tensor) -> bool:
+    """Whether the autograd graph of `losses` reaches a leaf that requires grad other than x."""
+    stack, seen = [losses.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf's gradient
+        if leaf is not None and leaf is not x:
+            return True
+        stack.extend(f for f, _ in fn.next_functions)
+    return False
 
 
 class _ChunkedTokenLoss(torch.autograd.Function):

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..adapters import has_dropout
+
 __all__ = ["init_distributed", "checkpoint_layers", "reference_copy", "shard_decoder", "world",
            "all_sum", "all_max", "full_state_dicts", "load_full_state_dicts", "gather_objects"]
 
@@ -42,19 +44,6 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def _has_dropout(model: nn.Module) -> bool:
-    """Any dropout that train mode would apply: nn.Dropout modules, or the attention dropout
-    rates torchtune (attn_dropout) and transformers (attention_dropout) keep as numbers."""
-    for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            return True
-        for name in ("attn_dropout", "attention_dropout"):
-            rate = getattr(m, name, 0.0)
-            if isinstance(rate, (int, float)) and rate > 0:
-                return True
-    return False
-
-
 def reference_copy(model: nn.Module) -> nn.Module:
     """GRPO's frozen reference model: a copy of `model`, taken before checkpointing and sharding
     (apply those to both). It keeps the policy's train mode and requires_grad flags, which
@@ -63,7 +52,7 @@ def reference_copy(model: nn.Module) -> nn.Module:
     with dropout gets an eval-mode, requires_grad=False copy instead (dropout must not touch
     the reference) when the model trains, which then compiles graphs of its own (logged)."""
     ref = copy.deepcopy(model)
-    if model.training and _has_dropout(model):
+    if model.training and has_dropout(model):
         log.warning("the reference model runs in eval mode (the model has dropout) and compiles "
                     "its own graphs instead of sharing the policy's")
         return ref.eval().requires_grad_(False)

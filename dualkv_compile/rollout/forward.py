@@ -18,7 +18,7 @@ import sys
 from torch import Tensor, nn
 
 from ..adapters import token_vocabulary
-from ..hf_config import sliding_window
+from ..hf_config import rope_types, sliding_window
 
 __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
 
@@ -135,6 +135,12 @@ class _HFDecoder:
         window = sliding_window(cfg)
         if window:
             raise _refuse(model, f"it uses sliding-window attention ({window})")
+        # the cache holds keys rotated for the length at which they were written: longrope
+        # switches factors past original_max_position_embeddings, within the context ("dynamic"
+        # rescales only past max_position_embeddings, which prompts + responses never pass)
+        if "longrope" in rope_types(cfg):
+            raise _refuse(model, "its rope_type='longrope' changes every position's rotation "
+                                 "once the sequence passes original_max_position_embeddings")
         self.model, self.base = model, model.model
         self.layers = [_unwrap(layer) for layer in self.base.layers]
         attn = self.layers[0].self_attn

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..adapters import has_dropout
+
 __all__ = ["checked_prompts", "prompt_mask_of"]
 
 
@@ -22,7 +24,7 @@ def prompt_mask_of(prompts: Tensor, pad_id: int) -> Tensor:
 
 def checked_prompts(prompts: Tensor, mask: Tensor | None, t: int, pad_id: int, rng,
                     model: torch.nn.Module, decoder) -> tuple[Tensor, Tensor, int]:
-    """Refuse bad prompts (and mask, rng) by name before anything runs on them; return the
+    """Refuse bad prompts (and mask, rng, a model in train mode with dropout) by name before anything runs on them; return the
     prompts with their tokens first, in order, padded with pad_id ([G, P]), their lengths
     [G] and the longest."""
     if not (isinstance(prompts, Tensor) and prompts.dim() == 2 and prompts.shape[0] >= 1
@@ -32,6 +34,10 @@ def checked_prompts(prompts: Tensor, mask: Tensor | None, t: int, pad_id: int, r
     if rng is not None and not isinstance(rng, torch.Generator):
         raise ValueError(f"rng={rng!r} must be a torch.Generator (e.g. "
                          f"torch.Generator(device).manual_seed(seed)) or None")
+    if model.training and has_dropout(model):  # as optimize() refuses it
+        raise ValueError(f"{type(model).__name__} is in train mode with dropout, which the "
+                         "engine does not apply: sample in eval mode (model.eval()) or with "
+                         "dropout 0")
     weights = next(model.parameters()).device
     if prompts.device != weights:  # caught here, not as a device error inside the prefill
         raise ValueError(f"prompts are on {prompts.device}, the model on {weights}; move the "

@@ -193,6 +193,11 @@ def test_token_loss_bad_arguments():
         chunked_token_loss(h, w, t, lambda lp, i: lp[:1])
     with pytest.raises(ValueError, match="does not depend on the logprobs"):
         chunked_token_loss(h, w, t, lambda lp, i: torch.zeros_like(lp))
+    coef = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)  # its gradient: lost
+    with pytest.raises(ValueError, match="uses a tensor that requires grad besides the logprobs"):
+        chunked_token_loss(h, w, t, lambda lp, i: -coef.exp() * lp)
+    with torch.no_grad():  # no backward: nothing to lose
+        chunked_token_loss(h, w, t, lambda lp, i: -coef * lp)
     with pytest.raises(ValueError, match=r"index \(2,\) must both be \[M\] with M = 3"):
         chunked_token_loss(h, w, t, lambda lp, i: lp, index=torch.arange(2))
     with pytest.raises(ValueError, match="temperature=-1"):

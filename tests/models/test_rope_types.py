@@ -1,6 +1,6 @@
 """RoPE types read from a config: transformers 4.x's legacy "type" key names the type (a
 linear scaling is refused, not built as plain RoPE), and LongRoPE, which rescales with the
-sequence length, is refused by optimize()."""
+sequence length, is refused by optimize() and by the rollout engine."""
 
 import json
 
@@ -24,7 +24,7 @@ def test_the_legacy_type_key_names_the_rope_type(tmp_path):
         qwen3_from_hf_config(tmp_path)
 
 
-def test_longrope_is_refused_by_optimize():
+def longrope_model():
     head_dim = 8
     cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -33,6 +33,18 @@ def test_longrope_is_refused_by_optimize():
                                           "short_factor": [1.0] * (head_dim // 2),
                                           "long_factor": [2.0] * (head_dim // 2),
                                           "original_max_position_embeddings": 64})
-    model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    return tf.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def test_longrope_is_refused_by_optimize():
     with pytest.raises(ValueError, match="rope_type='longrope'"):
-        dk.optimize(model, dk.DualKVConfig(fallback="dense"))
+        dk.optimize(longrope_model(), dk.DualKVConfig(fallback="dense"))
+
+
+def test_longrope_is_refused_by_the_rollout_engine():
+    # its cache would keep prompt keys rotated by the short factor after the sequence passed
+    # 64 positions, where a plain forward rotates every key by the long one
+    from dualkv_compile.rollout import RolloutEngine
+
+    with pytest.raises(ValueError, match="rope_type='longrope' changes every position"):
+        RolloutEngine(longrope_model())

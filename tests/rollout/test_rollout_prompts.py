@@ -141,3 +141,18 @@ def test_an_lm_head_wider_than_the_embedding_is_refused():
                                          f"embedding {VOCAB}"):
         RolloutEngine(model).generate(LEFT, samples=2, max_generated_tokens=4, pad_id=EOS,
                                       rng=torch.Generator().manual_seed(0))
+
+
+def test_a_model_in_train_mode_with_dropout_is_refused():
+    """The engine computes attention itself and would sample as in eval mode, while the model
+    in train mode applies dropout: refused, as optimize() refuses it."""
+    model = model_of("hf_qwen3")
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    engine = RolloutEngine(model)
+    args = dict(samples=2, max_generated_tokens=3, pad_id=EOS, rng=torch.Generator().manual_seed(0))
+    engine.generate(LEFT, **args)  # eval mode: dropout inactive
+    model.train()
+    with pytest.raises(ValueError, match="in train mode with dropout, which the engine does not"):
+        engine.generate(LEFT, **args)
