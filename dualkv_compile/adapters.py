@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from .hf_config import SEQUENCE_DEPENDENT_ROPE, rope_types, sliding_window
 
-__all__ = ["HF_FAMILIES", "adapter_for", "has_dropout", "token_vocabulary"]
+__all__ = ["HF_FAMILIES", "adapter_for", "has_dropout", "hf_decoder", "token_vocabulary"]
 
 
 # the name of the hook transformers' enable_input_require_grads() registers (a local function;
@@ -248,7 +248,7 @@ class _HuggingFace:
         _check_head(model.get_output_embeddings(), "get_output_embeddings()")
 
     def body(self, model, tokens, positions, mask=None):
-        base = _decoder(model)
+        base = hf_decoder(model)
         embeds = _embed_without_require_grads_hook(model, tokens)
         inputs = {"input_ids": tokens} if embeds is None else {"inputs_embeds": embeds}
         out = base(**inputs, attention_mask=mask, position_ids=positions, use_cache=False)
@@ -273,7 +273,7 @@ class _HuggingFace:
         return model.get_input_embeddings()(tokens) if embeds is None else embeds
 
     def layers(self, model):
-        return list(_decoder(model).layers)
+        return list(hf_decoder(model).layers)
 
     def layer_forward(self, model, layer, hidden, positions):
         """One decoder layer's forward without its module hooks (FSDP's run outside, see
@@ -283,7 +283,7 @@ class _HuggingFace:
         else here, as its __call__ would."""
         import functools
 
-        position_embeddings = _decoder(model).rotary_emb(hidden, positions)
+        position_embeddings = hf_decoder(model).rotary_emb(hidden, positions)
         forward = functools.partial(layer.forward, attention_mask=None, position_ids=positions,
                                     position_embeddings=position_embeddings, use_cache=False)
         wraps_forward = type(layer).forward.__code__.co_name == "forward_with_checkpointing"
@@ -295,13 +295,13 @@ class _HuggingFace:
         return forward(hidden)
 
     def final_norm(self, model, hidden):
-        return _decoder(model).norm(hidden)
+        return hf_decoder(model).norm(hidden)
 
     def check_layer_region(self, model):
-        _check_outside_modules(model.get_input_embeddings(), _decoder(model).norm)
+        _check_outside_modules(model.get_input_embeddings(), hf_decoder(model).norm)
 
 
-def _decoder(model):
+def hf_decoder(model):
     """A transformers causal LM's decoder (embeddings, layers, rotary tables, final norm)."""
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 

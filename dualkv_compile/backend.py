@@ -21,16 +21,9 @@ from dualkv_compile.passes import (attention_rewrite, attention_saving, checkpoi
 from .attention.kernel_options import validate_kernel_options
 from .stats import counters, log_once
 
-__all__ = ["DualKVBackend", "pass_uuids"]
+__all__ = ["DualKVBackend"]
 
 log = logging.getLogger(__name__)
-
-
-def pass_uuids() -> dict[str, str]:
-    """Cache ids of the passes; they change whenever a pass's source changes."""
-    return {m.__name__.split(".")[-1]: m.uuid()
-            for m in (checkpoint_inline, attention_rewrite, token_locality, lm_head,
-                      position_tables, attention_saving)}
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

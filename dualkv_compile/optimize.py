@@ -50,7 +50,7 @@ def optimize(model: nn.Module, config: DualKVConfig | None = None, *,
     return DualKVModel(model, config or DualKVConfig(), share_compiles_with=share_compiles_with)
 
 
-def _traced(mode: str, wrapper: "DualKVModel", tokens: Tensor, positions: Tensor,
+def _traced(wrapper: "DualKVModel", tokens: Tensor, positions: Tensor,
             tables: list[Tensor]):
     """What a "logits" or "hidden" graph traces (the wrapper is an input: wrappers that share
     compiles trace once)."""
@@ -166,7 +166,7 @@ class DualKVModel(nn.Module):
             block_mask=attention_kernel(self.config.attention_backend).flex)
         if self.compile_region() == "layer":
             return self._run_layers(packed, mode, tables, template)
-        compiled = self._compiled_call(mode, functools.partial(_traced, mode), device)
+        compiled = self._compiled_call(mode, _traced, device)
         self._backends[mode].template = template
         with bounded_recompiles(RECOMPILE_LIMIT, f"the dualkv model ({mode} mode)"):
             return compiled(self, packed.tokens, packed.positions, tables)

@@ -27,10 +27,10 @@ from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR
 from dualkv_compile.stats import counters, log_once
 
-from ._common import REWRITTEN, Refusal, eliminate_dead_code, example, pass_uuid, source_line
+from ._common import REWRITTEN, Refusal, eliminate_dead_code, example, source_line
 from .gqa_fold import erase_unused, fold_gqa_repeat
 
-__all__ = ["MASK_CHECK_MAX_LEN", "rewrite_attention", "find_anchor", "uuid"]
+__all__ = ["MASK_CHECK_MAX_LEN", "rewrite_attention", "find_anchor"]
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 MASK_CHECK_MAX_LEN = 32768
 
 _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-
-
-def uuid() -> str:
-    return pass_uuid(__file__)
 
 
 def find_anchor(graph: fx.Graph) -> fx.Node:

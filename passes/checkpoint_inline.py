@@ -24,17 +24,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, pass_uuid, source_line
+from ._common import Refusal, source_line
 
-__all__ = ["inline_checkpoints", "uuid"]
+__all__ = ["inline_checkpoints"]
 
 # ac_graph_id must increase along the graph (the partitioner saves the boundary between two
 # consecutive regions by comparing ids); a process-wide counter keeps ids distinct across graphs.
 _region_ids = itertools.count(1)
-
-
-def uuid() -> str:
-    return pass_uuid(__file__)
 
 
 def _is_checkpoint(node: fx.Node) -> bool:

@@ -12,15 +12,11 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import Refusal, eliminate_dead_code, example, op_name, pass_uuid, source_line
+from ._common import Refusal, eliminate_dead_code, example, op_name, source_line
 
-__all__ = ["prune_lm_head", "uuid"]
+__all__ = ["prune_lm_head"]
 
 _CASTS = {"float", "to", "type_as", "contiguous"}
-
-
-def uuid() -> str:
-    return pass_uuid(__file__)
 
 
 def prune_lm_head(graph: fx.Graph, vocab_size: int) -> fx.Node:

@@ -20,9 +20,9 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import example, op_name, pass_uuid
+from ._common import example, op_name
 
-__all__ = ["materialize_position_tables", "uuid"]
+__all__ = ["materialize_position_tables"]
 
 # tables smaller than this are cheaper to recompute than to store and load
 _MIN_ELEMENTS = 256
@@ -47,10 +47,6 @@ def _backward(ctx, grad: Tensor) -> Tensor:
 
 
 materialize.register_autograd(_backward)
-
-
-def uuid() -> str:
-    return pass_uuid(__file__)
 
 
 def _takes_grad(node: fx.Node) -> bool:

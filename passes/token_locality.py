@@ -24,11 +24,11 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import (REWRITTEN, Refusal, example, op_name, pass_uuid, regions_ops,
+from ._common import (REWRITTEN, Refusal, example, op_name, regions_ops,
                       source_line, token_local_ops)
 from ._locality_indexing import IndexingRules
 
-__all__ = ["prove_token_locality", "uuid"]
+__all__ = ["prove_token_locality"]
 
 _POINTWISE = {
     "add", "sub", "mul", "truediv", "div", "floordiv", "neg", "pow", "rsqrt", "sqrt", "exp",
@@ -54,12 +54,6 @@ _EXPANDS = {"expand", "expand_as", "broadcast_to"}
 _SHAPE_QUERIES = {"size", "dim", "numel", "_log_api_usage_once", "is_floating_point",
                   "get_device"}
 _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
-
-
-def uuid() -> str:  # the rules in _locality_indexing.py are part of the pass
-    from . import _locality_indexing
-
-    return pass_uuid(__file__, _locality_indexing.__file__)
 
 
 class _Proof(IndexingRules):

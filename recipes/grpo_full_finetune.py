@@ -2,14 +2,15 @@
 
     tune run recipes/grpo_full_finetune.py --config recipes/configs/tiny_grpo.yaml [key=value ...]
 
-Each step: sample `groups_per_step` prompts from the task, generate `group_size` responses each
-(dualkv_compile.rollout.RolloutEngine: each prompt's K/V computed and stored once for its
-samples, CUDA-graphed decode; temperature / top-k / top-p), score them with the task's verifiable reward, normalise
-advantages within each group, then one policy update: old and reference logprobs through
-`optimize(model).response_logprobs`, the clipped loss with a KL term through
-`optimize(model).response_loss` (the LM head's backward fused into its forward), micro-batches of
-whole groups with gradient accumulation, gradient clipping, the optimizer step. `dualkv.enabled:
-false` runs the same recipe on the plain model (the baseline).
+Each step: sample `groups_per_step` prompts, generate `group_size` responses each
+(rollout.RolloutEngine: each prompt's K/V computed and stored once for its samples), score
+them with the task's reward, normalise advantages within each group, then the policy update:
+old and reference logprobs (`optimize(model).response_logprobs`), and `updates_per_step`
+optimizer steps over mini-batches of the groups, each the clipped loss with a KL term
+(`response_loss`, the LM head's backward fused into its forward) over micro-batches
+(`micro_batch_groups` whole groups, or packed to `max_tokens_per_micro_batch` tokens) with
+gradient accumulation and clipping. `dualkv.enabled: false` runs the same recipe on the plain
+model (the baseline).
 
 Data parallel with FSDP2: `tune run --nproc_per_node K ...` (NCCL on CUDA, gloo on CPU) shards
 each decoder layer and the model (dualkv_compile.rl.distributed.shard_decoder); each rank

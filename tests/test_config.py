@@ -1,7 +1,6 @@
 import pytest
 
 from dualkv_compile import DualKVConfig
-from dualkv_compile.backend import pass_uuids
 
 
 def test_json_round_trip():
@@ -48,10 +47,3 @@ def test_validation_names_the_bad_value(kwargs, message):
 def test_unknown_json_fields_are_named():
     with pytest.raises(ValueError, match=r"unknown DualKVConfig fields \['colour'\]"):
         DualKVConfig.from_json('{"colour": "red"}')
-
-
-def test_each_pass_has_a_source_derived_uuid():
-    ids = pass_uuids()
-    assert set(ids) == {"checkpoint_inline", "attention_rewrite", "token_locality", "lm_head",
-                        "position_tables", "attention_saving"}
-    assert len(set(ids.values())) == 6 and all(len(v) == 64 for v in ids.values())

@@ -4,14 +4,15 @@
     python -m dualkv_compile.tools.bench model     [...]   # response logprobs fwd + bwd
     python -m dualkv_compile.tools.bench step      [...]   # the same plus the AdamW step
     python -m dualkv_compile.tools.bench lm-head   [--rows M ...] # chunked LM-head logprobs
-    python -m dualkv_compile.tools.bench mask-forms [...]  # two equal mask_mods, one block mask
+    python -m dualkv_compile.tools.bench mask-forms [...]  # equivalent mask_mods, one block mask
     python -m dualkv_compile.tools.bench linears [--tokens T ...] # projection GEMMs, fused or not
     python -m dualkv_compile.tools.bench rollout [--layers L ...]  # sampling: engine vs generate
     python -m dualkv_compile.tools.bench rollout-calls [...]  # calls whose prompt lengths vary
     python -m dualkv_compile.tools.bench ragged  [--seeds S ...]   # attention on ragged batches
     python -m dualkv_compile.tools.bench ab --other-dir DIR [...]  # this tree vs another commit
 
-Every benchmark shares the N,P,R shape argument, writes JSON with the GPU, torch, triton, CUDA
+The shaped benchmarks take N,P,R shapes (lm-head rows, linears tokens, ragged its caps); each
+writes JSON with the GPU, torch, triton, CUDA
 (and flash-attn-4) versions, shapes, dtype, warm-up and repeat counts, reports medians, and runs
 its baselines in the same process as the optimized variant.
 """

@@ -1,9 +1,9 @@
-"""Mask-form benchmark (an experiment, not a test): the same shared-prefix BlockMask with
+"""Mask-form benchmark (not a test): the same shared-prefix BlockMask with
 mask_mods that mean the same thing, timed fwd+bwd on a flex backend in one process.
 
 - "visible_until" (what the library uses): kv <= q < visible_until[kv]: one table load, indexed
   by the key, for every element of a partial block.
-- "segments" (the library's form until 2026-11-26): kv <= q and (seg[kv] == seg[q] or
+- "segments" (the form the one-table mask replaced): kv <= q and (seg[kv] == seg[q] or
   seg[kv] == pre[q]): three loads.
 - "intervals": kv in [own_lo[q], q] or kv in [prefix_lo[q], prefix_hi[q]): three loads indexed
   by the query only.

@@ -12,8 +12,8 @@ The mask_mod, evaluated on every element of a partial block, reads one table ind
 key: a key is seen by the queries from itself up to `visible_until[kv]`, the end of its group
 for a prompt key (every response of the group sees it), the end of its own segment otherwise.
 That holds because pack() lays each group out as its prompt then its responses, in one run
-(`visible_until` checks it). One load per element instead of the segment form's three made
-flex FLASH 7-23% faster on ragged layouts (docs/performance.md, "Ragged layouts").
+(`visible_until` checks it). One load per element instead of the segment form's three is what
+makes partial blocks cheaper (docs/performance.md, "The mask per element").
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from .merge import merge_partials
 from .selection import flash_status
 from .region_ops import plan_of_tables, register_autograd
 
-__all__ = ["flash_regions_attention_op", "plan_of_segments"]
+__all__ = ["flash_regions_attention_op", "flash_plan_of_segments"]
 
 
 class Cross(NamedTuple):
@@ -55,7 +55,7 @@ class Plan(NamedTuple):
     cross_tables: Cross | None  # None where no group has responses
 
 
-def plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> Plan:
+def flash_plan_of_segments(segment_ids: Tensor, prefix_segment_ids: Tensor) -> Plan:
     """The plan of the layout's 1-D segment tables (regions.groups_of_segments: one host
     synchronisation)."""
     groups = regions.groups_of_segments(segment_ids, prefix_segment_ids)
@@ -237,7 +237,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 # ---- the opaque op pair a compiled graph calls (optimize(attention_backend="flash_regions")) --
 
 def _plan(segment_ids, prefix_segment_ids) -> Plan:
-    return plan_of_tables(segment_ids, prefix_segment_ids, plan_of_segments)
+    return plan_of_tables(segment_ids, prefix_segment_ids, flash_plan_of_segments)
 
 
 @torch.library.custom_op("dualkv::flash_regions_attention", mutates_args=())

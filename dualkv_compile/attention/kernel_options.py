@@ -19,9 +19,8 @@ __all__ = ["TRITON_OPTIONS_BY_ARCH", "kernel_options_for", "validate_kernel_opti
 # (partial) block can be fully masked for that row when a query block spans two groups or a
 # response and the padding; the unguarded online softmax then gives NaN.
 TRITON_OPTIONS_BY_ARCH: dict[tuple[int, int], dict[tuple[int, int], dict[str, object]]] = {
-    # docs/results/tune_sm90_h100.md: at head dim 128 Inductor's defaults won; at head dim 64
-    # 64x64 tiles won by 12.5% (GQA 1), 8.2% (GQA 4) and 8.7% (GQA 8); at head dim 256 a 64x64
-    # forward won by 2.7% (GQA 1), 3.0% (GQA 4) and 2.3% (GQA 8)
+    # the winners of docs/results/tune_sm90_h100.md: Inductor's defaults at head dim 128,
+    # 64x64 tiles at head dim 64, a 64x64 forward at head dim 256
     (9, 0): {
         (64, 1): {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},
         (64, 4): {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},

@@ -57,14 +57,12 @@ def flash_status(device: torch.device, head_dim: int | None = None,
 # GPU name fragment -> (kernel "auto" takes with FA4, without FA4, the measurement behind it).
 # "auto" is a flex kernel (one compiled graph form for every layout, configured by
 # kernel_options); the region kernels stay opt-in: regions loses to it on ragged layouts, and
-# flash_regions, 2-15% faster on them, gains about 1.5% of a policy update, within run-to-run
-# drift (H200,
-# docs/performance.md "flash_regions with one cross call").
+# flash_regions' gain on them is within run-to-run drift at the policy update's level
+# (docs/performance.md, "flash_regions with one cross call").
 MEASURED = {
     "H100": ("FLASH", "TRITON",
-             "fwd+bwd on ragged GRPO micro-batches, x the ideal pair reduction against FA4 "
-             "varlen: flex FLASH 0.66-0.84, flash_regions 0.53-0.85, flex Triton 0.61-0.71, "
-             "regions 0.12-0.51 (docs/results/attention_ragged_h100.md)"),
+             "fwd+bwd on ragged GRPO micro-batches against FA4 varlen: flex FLASH ahead of "
+             "flex Triton and regions on every case (docs/performance.md, \"Ragged layouts\")"),
 }
 
 

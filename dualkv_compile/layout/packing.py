@@ -324,7 +324,7 @@ def _build(tokens, mask, prompt_len, bucketing, group_of_row, p_first, p_len, r_
         members[g].append(row)
 
     # Segments in packed order: (source row, first source column, length, position offset,
-    # packed index of the prefix prompt or -1, is_prompt)
+    # segment index of the group's prompt; a prompt's is its own)
     seg_row, seg_col, seg_len, seg_pos, seg_prefix = [], [], [], [], []
     group_spans, prompt_start_of_group, response_start_of_row = [], [], [0] * b
     cursor = 0

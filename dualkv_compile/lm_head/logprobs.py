@@ -9,7 +9,7 @@ On CUDA the per-chunk elementwise work runs as two kernels that read the logits 
 a dozen eager passes over float32 copies: upcast, temperature, log-sum-exp and pick in a Triton
 kernel (chunk_stats_kernel.py: an online log-sum-exp, one read of each logit), and in the
 backward onehot - softmax, scaled and cast back, fused by Inductor with 2-D tiling (its 1-D
-kernel ran 17% slower over a [4096, 151936] chunk). The weight gradient is accumulated in float32
+kernel is slower over a Qwen3-sized chunk). The weight gradient is accumulated in float32
 by the GEMM itself (addmm with out_dtype, `_wide_matmul`). The eager path runs the very same
 functions on CPU and is the reference the GPU test compares against.
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..adapters import has_dropout
+from ..adapters import has_dropout, hf_decoder
 
 __all__ = ["init_distributed", "checkpoint_layers", "reference_copy", "shard_decoder", "world",
            "all_sum", "all_max", "full_state_dicts", "load_full_state_dicts", "gather_objects"]
@@ -86,7 +86,7 @@ def shard_decoder(model: nn.Module, *, reshard_after_forward: bool = True) -> nn
         return model
     from torch.distributed.fsdp import fully_shard
 
-    layers = model.layers if hasattr(model, "layers") else model.get_decoder().layers
+    layers = model.layers if hasattr(model, "layers") else hf_decoder(model).layers
     for layer in layers:  # a torchtune decoder's, or a transformers causal LM's decoder's
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dualkv_compile.adapters import hf_decoder
 from dualkv_compile.layout.packing import PackedBatch
 
 __all__ = ["forward_flops", "policy_update_flops", "peak_bf16_tflops"]
@@ -25,7 +26,7 @@ def _dims(model: nn.Module):
         heads, head_dim = attn.num_heads, attn.head_dim
         emb = model.tok_embeddings
     else:  # transformers
-        cfg, layers = model.config, model.model.layers
+        cfg, layers = model.config, hf_decoder(model).layers
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         emb = model.get_input_embeddings()

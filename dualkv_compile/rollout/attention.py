@@ -40,8 +40,8 @@ __all__ = ["decode_attention", "split_lengths", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("math", "triton", "flex")
 # flex's decoding kernel puts all of a kv head's queries (rows x query heads per kv head) in
-# one tile of that many rows by default, and spills registers beyond 64 (N = 32 rows x 4 heads
-# ran 50x slower than N = 16); larger query sets are cut into tiles of 64
+# one tile of that many rows by default, and spills registers beyond 64 rows (an order of
+# magnitude slower); larger query sets are cut into tiles of 64
 _PROMPT_TILE_ROWS = 64
 _PROMPT_NUM_WARPS = 4
 

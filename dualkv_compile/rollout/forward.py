@@ -17,7 +17,7 @@ import sys
 
 from torch import Tensor, nn
 
-from ..adapters import token_vocabulary
+from ..adapters import hf_decoder, token_vocabulary
 from ..hf_config import rope_types, sliding_window
 
 __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
@@ -141,7 +141,7 @@ class _HFDecoder:
         if "longrope" in rope_types(cfg):
             raise _refuse(model, "its rope_type='longrope' changes every position's rotation "
                                  "once the sequence passes original_max_position_embeddings")
-        self.model, self.base = model, model.model
+        self.model, self.base = model, hf_decoder(model)
         self.layers = [_unwrap(layer) for layer in self.base.layers]
         attn = self.layers[0].self_attn
         self.num_heads = cfg.num_attention_heads

@@ -17,7 +17,7 @@ def generate_groups(model, prompts: Tensor, *, samples: int, max_generated_token
                     top_p: float | None = None, stop_token: int | Sequence[int] | None = None,
                     rng: torch.Generator | None = None,
                     dtype: torch.dtype | None = None) -> Tensor:
-    """prompts [G, P] (left-padded with pad_id) -> responses [G * samples, T]: `samples`
+    """prompts [G, P] (left- or right-padded with pad_id) -> responses [G * samples, T]: `samples`
     continuations of each prompt, rows in prompt order, T = max_generated_tokens, pad_id after
     a row's stop token. A new RolloutEngine per call: hold one to reuse its compiled steps."""
     return RolloutEngine(model).generate(

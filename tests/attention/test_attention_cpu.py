@@ -283,13 +283,13 @@ def test_token_major_strided_inputs(backend):
 
 
 def test_flash_regions_plan_has_one_cross_run_per_group_with_responses():
-    from dualkv_compile.attention.flash_regions import plan_of_segments
+    from dualkv_compile.attention.flash_regions import flash_plan_of_segments
 
     g = torch.Generator().manual_seed(23)
     tokens, mask, p = make_batch([9, 30, 4], [[4, 0, 17], [1, 25], [0, 0]], shuffle=True,
                                  generator=g)
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
-    plan = plan_of_segments(pb.segment_ids[0], pb.prefix_segment_ids[0])
+    plan = flash_plan_of_segments(pb.segment_ids[0], pb.prefix_segment_ids[0])
     cross = [(spans[0][0], spans[-1][1], ps, pe)
              for ps, pe, spans in pb.group_spans if any(e > s for s, e in spans)]
     assert plan.cross == tuple(cross) and len(cross) == 2
@@ -311,7 +311,7 @@ def test_flash_regions_plan_has_one_cross_run_per_group_with_responses():
 
 
 def test_flash_regions_plan_refuses_a_misplaced_response():
-    from dualkv_compile.attention.flash_regions import plan_of_segments
+    from dualkv_compile.attention.flash_regions import flash_plan_of_segments
 
     tokens, mask, p = make_batch([4, 6], [[3, 5], [2, 2]])
     pb = pack(tokens, prompt_len=p, padding_mask=mask)
@@ -319,4 +319,4 @@ def test_flash_regions_plan_refuses_a_misplaced_response():
     first_response = int((seg != pre).nonzero()[0])
     pre[first_response:first_response + 3] = seg[-1]
     with pytest.raises(ValueError, match="which is not the prompt before it"):
-        plan_of_segments(seg, pre)
+        flash_plan_of_segments(seg, pre)
