@@ -191,7 +191,7 @@ class GRPORecipe:
         rank with G = 0 still joins the others' weight gathering."""
         cfg, tok = self.cfg, self.tokenizer
         return rollout_batch(
-            self.rollout_engine, prompts.to(self.device), samples=cfg.group_size,
+            self.rollout_engine, prompts.to(self.device), group_size=cfg.group_size,
             pad_id=tok.pad_id, max_generated_tokens=cfg.max_generated_tokens,
             stop_tokens=tok.stop_tokens, rows_per_call=cfg.get("rollout_batch_rows"),
             temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.get("top_p"), rng=self.rng,

@@ -135,7 +135,7 @@ def rollout_case():
         return real(*args, **kwargs)
 
     def sample(model, steps):
-        return RolloutEngine(model).generate(prompts, samples=3, max_generated_tokens=steps,
+        return RolloutEngine(model).generate(prompts, group_size=3, max_generated_tokens=steps,
                                              pad_id=0, rng=torch.Generator().manual_seed(5))
     try:
         with mock.patch.object(dist, name, counted):

@@ -155,7 +155,7 @@ def _profile(model, prompts, n, r, shared, attention, path):
     from torch.profiler import ProfilerActivity, profile
 
     engine = RolloutEngine(model, share_prompt=shared, attention=attention)
-    run = lambda: engine.generate(prompts, samples=n, max_generated_tokens=r, pad_id=0)  # noqa: E731
+    run = lambda: engine.generate(prompts, group_size=n, max_generated_tokens=r, pad_id=0)  # noqa: E731
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -210,7 +210,7 @@ def main(argv=None, prog=None):
                 engine = RolloutEngine(model, share_prompt=shared, attention=attention)
                 gen = torch.Generator("cuda").manual_seed(0)
                 result = _per_step(lambda t: engine.generate(
-                    prompts, samples=n, max_generated_tokens=t, pad_id=0, rng=gen), r)
+                    prompts, group_size=n, max_generated_tokens=t, pad_id=0, rng=gen), r)
                 floor = _floor_bytes(model, args.layers, groups * n, groups, p, r, shared)
                 result |= {"kv_gib": engine.kv_bytes() / 2 ** 30,
                            "compiled_functions": engine.stats["compiled_functions"],

@@ -54,7 +54,7 @@ def _run(model, variant: str, calls: list, n: int, r: int, warm: list) -> dict:
         previous = bucket
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.generate(prompts, samples=n, max_generated_tokens=r, pad_id=0, rng=gen)
+        engine.generate(prompts, group_size=n, max_generated_tokens=r, pad_id=0, rng=gen)
         torch.cuda.synchronize()
         if i >= len(warm):
             times.append(time.perf_counter() - t0)

@@ -1,7 +1,7 @@
 """A rollout batch as a policy update takes it: N responses per prompt, sampled by a
 RolloutEngine in planned calls, joined to their prompts with a padding mask.
 
-    tokens, mask, lengths = rollout_batch(engine, prompts, samples=16, pad_id=tok.pad_id,
+    tokens, mask, lengths = rollout_batch(engine, prompts, group_size=16, pad_id=tok.pad_id,
                                           stop_tokens=tok.stop_tokens,
                                           max_generated_tokens=1024, rows_per_call=128)
     logprobs = dk.optimize(model).response_logprobs(tokens, prompt_len=prompts.shape[1],
@@ -23,14 +23,14 @@ __all__ = ["rollout_batch", "truncated_responses"]
 
 
 @torch.no_grad()
-def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, samples: int, pad_id: int,
+def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pad_id: int,
                   max_generated_tokens: int, stop_tokens: Sequence[int] = (),
                   rows_per_call: int | None = None, **sampling) -> tuple[Tensor, Tensor, Tensor]:
-    """prompts [G, P] (padded with pad_id) -> (tokens [G * samples, P + T], padding mask of the
-    same shape, response lengths [G * samples] with the stop token counted), rows group-major.
+    """prompts [G, P] (padded with pad_id) -> (tokens [G * group_size, P + T], padding mask of the
+    same shape, response lengths [G * group_size] with the stop token counted), rows group-major.
 
     A response is valid up to and including its first stop token; tokens outside the mask
-    are pad_id. The calls are `plan_calls(G, samples, rows_per_call)`; `sampling` goes to each
+    are pad_id. The calls are `plan_calls(G, group_size, rows_per_call)`; `sampling` goes to each
     `engine.generate` (temperature, top_k, top_p, rng, dtype). Under FSDP2 the weights are
     gathered once for all calls, and a rank with G = 0 (no rows this round) still joins that
     gathering, returning empty tensors."""
@@ -41,21 +41,21 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, samples: int, pad_i
         empty = (~prompt_mask.any(1)).nonzero()[:, 0].tolist()
         if empty:
             raise ValueError(f"prompts {empty} hold only pad_id={pad_id}")
-    calls = plan_calls(prompts.shape[0], samples, rows_per_call) if len(prompts) else []
+    calls = plan_calls(prompts.shape[0], group_size, rows_per_call) if len(prompts) else []
     with gathered_weights(engine.model):
-        parts = [engine.generate(prompts[first:first + count], samples=n, pad_id=pad_id,
+        parts = [engine.generate(prompts[first:first + count], group_size=n, pad_id=pad_id,
                                  max_generated_tokens=max_generated_tokens,
-                                 stop_token=stops or None, **sampling)
+                                 stop_tokens=stops or None, **sampling)
                  for first, count, n in calls]
     width = prompts.shape[1] + max_generated_tokens
     if not parts:
         empty = prompts.new_zeros(0, width)
         return empty, empty.bool(), prompts.new_zeros(0)
     response = torch.cat(parts)
-    batch = prompts.repeat_interleave(samples, 0)
+    batch = prompts.repeat_interleave(group_size, 0)
     is_stop = stop_mask(response, stops)
     before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0  # up to and with the first stop
-    mask = torch.cat([prompt_mask.repeat_interleave(samples, 0), before_stop], 1)
+    mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), before_stop], 1)
     tokens = torch.where(mask, torch.cat([batch, response], 1), pad_id)
     return tokens, mask, before_stop.sum(1)
 

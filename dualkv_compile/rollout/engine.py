@@ -1,10 +1,10 @@
 """RolloutEngine: sample N responses per prompt with the prompt's K/V stored and read once.
 
     engine = RolloutEngine(model)                 # torchtune decoder or transformers causal LM
-    responses = engine.generate(prompts, samples=16, max_generated_tokens=1024, pad_id=0,
-                                temperature=1.0, top_p=0.95, stop_token=eos, rng=generator)
+    responses = engine.generate(prompts, group_size=16, max_generated_tokens=1024, pad_id=0,
+                                temperature=1.0, top_p=0.95, stop_tokens=eos, rng=generator)
 
-prompts [G, P] (left- or right-padded with pad_id) -> responses [G * samples, T], rows
+prompts [G, P] (left- or right-padded with pad_id) -> responses [G * group_size, T], rows
 group-major. A prompt is its tokens from the first to the last that is not pad_id: a pad_id
 between them (an eos inside a chat prompt, when pad_id is eos) is a token; `prompt_mask` says
 exactly which tokens are the prompt where this rule cannot. Per
@@ -120,22 +120,22 @@ class RolloutEngine:
 
     # ---- public ------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Tensor, *, samples: int, max_generated_tokens: int, pad_id: int,
+    def generate(self, prompts: Tensor, *, group_size: int, max_generated_tokens: int, pad_id: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 stop_token: int | Sequence[int] | None = None,
+                 stop_tokens: int | Sequence[int] | None = None,
                  rng: torch.Generator | None = None, dtype: torch.dtype | None = None,
                  return_logprobs: bool = False,
                  prompt_mask: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """prompts [G, P] -> responses [G * samples, T] (and with return_logprobs, each sampled
-        token's logprob [G * samples, T] under softmax(logits / temperature), 0 after a stop).
-        stop_token: the id, or ids (e.g. a generation config's eos_token_id list), that end a
+        """prompts [G, P] -> responses [G * group_size, T] (and with return_logprobs, each sampled
+        token's logprob [G * group_size, T] under softmax(logits / temperature), 0 after a stop).
+        stop_tokens: the id, or ids (e.g. a generation config's eos_token_id list), that end a
         response. dtype: the KV cache's (a floating dtype; default the weights'). prompt_mask
         [G, P] bool: True at the prompt's tokens, taken in order (default: prompt_mask_of, i.e.
         leading and trailing pad_id stripped; the tokens under False are not read)."""
         sampling = SamplingParams(temperature, top_k, top_p)
         vocab = self.decoder.vocab_size
-        stops = stop_ids(stop_token, vocab)
-        samples = integer_arg("samples", samples, 1)
+        stops = stop_ids(stop_tokens, vocab)
+        group_size = integer_arg("group_size", group_size, 1)
         max_generated_tokens = integer_arg("max_generated_tokens", max_generated_tokens, 1)
         pad_id = integer_arg("pad_id", pad_id, 0, vocab)  # the fill of finished rows: a token
         dtype = dtype if dtype is not None else next(self.model.parameters()).dtype
@@ -152,7 +152,7 @@ class RolloutEngine:
             raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
                              "returns no log-sum-exp); use attention='math' or compile=False")
         groups, t = prompts.shape[0], max_generated_tokens
-        rows = groups * samples
+        rows = groups * group_size
         bucket = prompt_bucket(pmax)  # the prefill's width; the cache may hold more
         compact = torch.nn.functional.pad(compact[:, :bucket], (0, bucket - min(
             bucket, compact.shape[1])), value=pad_id)
@@ -172,18 +172,18 @@ class RolloutEngine:
                 gen = graph_gen
             c = ws.cache
             self.stats["calls"] += 1
-            copies = 1 if self.share_prompt else samples
+            copies = 1 if self.share_prompt else group_size
             logits = prefill(self.decoder, compact, plen, c.prompt_k, c.prompt_v, copies)
             splits, chunk = c.prompt_k[0].shape[1], c.prompt_k[0].shape[3]
-            per_group = plen if self.share_prompt else plen.repeat_interleave(samples)
+            per_group = plen if self.share_prompt else plen.repeat_interleave(group_size)
             c.prompt_len.copy_(split_lengths(per_group, splits, chunk))
-            c.row_position0.copy_(plen.repeat_interleave(samples))
+            c.row_position0.copy_(plen.repeat_interleave(group_size))
             c.step.zero_()
             c.done.zero_()
             c.out.fill_(pad_id)
             c.logprobs.zero_()  # columns after an early stop stay 0
             draw_noise(c.noise, gen)
-            logits = logits.repeat_interleave(samples, 0)
+            logits = logits.repeat_interleave(group_size, 0)
             first = sample(logits, c.noise, sampling)
             c.tokens.copy_(first)
             c.out[:, 0] = first

@@ -12,37 +12,39 @@ from .engine import RolloutEngine
 __all__ = ["generate_groups", "plan_calls"]
 
 
-def generate_groups(model, prompts: Tensor, *, samples: int, max_generated_tokens: int,
+def generate_groups(model, prompts: Tensor, *, group_size: int, max_generated_tokens: int,
                     pad_id: int, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None, stop_token: int | Sequence[int] | None = None,
+                    top_p: float | None = None, stop_tokens: int | Sequence[int] | None = None,
                     rng: torch.Generator | None = None,
                     dtype: torch.dtype | None = None) -> Tensor:
-    """prompts [G, P] (left- or right-padded with pad_id) -> responses [G * samples, T]: `samples`
-    continuations of each prompt, rows in prompt order, T = max_generated_tokens, pad_id after
-    a row's stop token. A new RolloutEngine per call: hold one to reuse its compiled steps."""
+    """prompts [G, P] (left- or right-padded with pad_id) -> responses [G * group_size, T]:
+    `group_size` continuations of each prompt, rows in prompt order, T = max_generated_tokens,
+    pad_id after a row's stop token. A new RolloutEngine per call: hold one to reuse its
+    compiled steps."""
     return RolloutEngine(model).generate(
-        prompts, samples=samples, max_generated_tokens=max_generated_tokens, pad_id=pad_id,
-        temperature=temperature, top_k=top_k, top_p=top_p, stop_token=stop_token, rng=rng,
+        prompts, group_size=group_size, max_generated_tokens=max_generated_tokens, pad_id=pad_id,
+        temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
         dtype=dtype)
 
 
-def plan_calls(num_groups: int, samples: int, rows_per_call: int | None) -> list[tuple[int, int, int]]:
-    """Split the sampling of `num_groups` groups x `samples` into generate calls of at most
-    `rows_per_call` decode rows (None: one call): (first group, groups, samples) each, whole
-    groups per call, or one group's samples over several calls. The fewest calls, as equal as
-    possible (larger first): calls of one shape reuse the engine's workspace (its cache and
-    CUDA graphs), so 12 groups at 8 a call are 6 + 6, not 8 + 4."""
+def plan_calls(num_groups: int, group_size: int,
+               rows_per_call: int | None) -> list[tuple[int, int, int]]:
+    """Split the sampling of `num_groups` groups x `group_size` into generate calls of at most
+    `rows_per_call` decode rows (None: one call): (first group, groups, responses per prompt in
+    the call) each, whole groups per call, or one group's responses over several calls. The
+    fewest calls, as equal as possible (larger first): calls of one shape reuse the engine's
+    workspace (its cache and CUDA graphs), so 12 groups at 8 a call are 6 + 6, not 8 + 4."""
     if rows_per_call is None:
-        return [(0, num_groups, samples)]
+        return [(0, num_groups, group_size)]
     if rows_per_call < 1:
         raise ValueError(f"rows_per_call={rows_per_call} must be at least 1 (or None)")
-    if rows_per_call >= samples:
+    if rows_per_call >= group_size:
         calls, first = [], 0
-        for count in _even_parts(num_groups, rows_per_call // samples):
-            calls.append((first, count, samples))
+        for count in _even_parts(num_groups, rows_per_call // group_size):
+            calls.append((first, count, group_size))
             first += count
         return calls
-    parts = _even_parts(samples, rows_per_call)
+    parts = _even_parts(group_size, rows_per_call)
     return [(g, 1, n) for g in range(num_groups) for n in parts]
 
 

@@ -38,21 +38,21 @@ def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def reference_generate(model, prompts: Tensor, *, samples: int, max_generated_tokens: int,
+def reference_generate(model, prompts: Tensor, *, group_size: int, max_generated_tokens: int,
                        pad_id: int, temperature: float = 1.0, top_k: int | None = None,
-                       top_p: float | None = None, stop_token: int | Sequence[int] | None = None,
+                       top_p: float | None = None, stop_tokens: int | Sequence[int] | None = None,
                        rng: torch.Generator | None = None,
                        prompt_mask: Tensor | None = None) -> Tensor:
     """What RolloutEngine.generate returns, computed the slow, obvious way."""
     params = SamplingParams(temperature, top_k, top_p)
-    stops = stop_ids(stop_token)
+    stops = stop_ids(stop_tokens)
     if prompt_mask is None:
         # padding: the pad_id before a prompt's first other token and after its last one
         real = prompts != pad_id
         prompt_mask = (real.cumsum(1) > 0) & (real.flip(1).cumsum(1).flip(1) > 0)
-    valid = prompt_mask.repeat_interleave(samples, 0)
+    valid = prompt_mask.repeat_interleave(group_size, 0)
     # the ids under a False mask are never read: any value, even outside the vocabulary
-    tokens = torch.where(valid, prompts.repeat_interleave(samples, 0), pad_id)
+    tokens = torch.where(valid, prompts.repeat_interleave(group_size, 0), pad_id)
     rows, out = tokens.shape[0], []
     done = torch.zeros(rows, dtype=torch.bool, device=prompts.device)
     for _ in range(max_generated_tokens):

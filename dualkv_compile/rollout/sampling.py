@@ -83,24 +83,24 @@ def sample(logits: Tensor, noise: Tensor, params: SamplingParams) -> Tensor:
     return torch.argmax(probs / noise, dim=-1)
 
 
-def stop_ids(stop_token, vocab: int | None = None) -> tuple[int, ...]:
+def stop_ids(stop_tokens, vocab: int | None = None) -> tuple[int, ...]:
     """The ids that end a response, as a sorted tuple (empty: none) from None, one id, or
     several (a generation config's eos_token_id list); each checked against [0, vocab)."""
-    if stop_token is None:
+    if stop_tokens is None:
         return ()
-    if as_index(stop_token) is not None or not hasattr(stop_token, "__iter__"):
-        given = [stop_token]  # one id, or something that is not an id (refused below)
+    if as_index(stop_tokens) is not None or not hasattr(stop_tokens, "__iter__"):
+        given = [stop_tokens]  # one id, or something that is not an id (refused below)
     else:  # several ids (a 0-dim tensor is one id, above)
-        given = list(stop_token)
+        given = list(stop_tokens)
     ids = []
     for raw in given:
         i = as_index(raw)
         if i is None or i < 0 or (vocab is not None and i >= vocab):
             where = f"[0, {vocab})" if vocab is not None else "[0, vocab)"
-            raise ValueError(f"stop_token={stop_token!r} is not a token id (or ids) in {where}")
+            raise ValueError(f"stop_tokens={stop_tokens!r} is not a token id (or ids) in {where}")
         ids.append(i)
     if not ids:
-        raise ValueError("stop_token=[] names no token; pass None for no stop token")
+        raise ValueError("stop_tokens=[] names no token; pass None for no stop token")
     return tuple(sorted(set(ids)))
 
 

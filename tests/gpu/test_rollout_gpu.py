@@ -41,7 +41,7 @@ def prompts(groups=3, width=300, seed=1):
 
 
 def run(engine, p, seed=3, **kw):
-    args = dict(samples=4, max_generated_tokens=40, pad_id=PAD, stop_token=EOS, top_p=0.95,
+    args = dict(group_size=4, max_generated_tokens=40, pad_id=PAD, stop_tokens=EOS, top_p=0.95,
                 rng=torch.Generator("cuda").manual_seed(seed)) | kw
     return engine.generate(p, **args)
 
@@ -81,8 +81,8 @@ def test_several_stop_tokens_in_a_captured_step():
     # every 16th id stops a response (as IdTokenizer(stop_every=16) does): most rows end early
     m, p, stops = model(seed=4), prompts(), list(range(1, VOCAB, 16))
     graphs = RolloutEngine(m, steps_per_graph=8)
-    a = run(graphs, p, stop_token=stops)
-    b = run(RolloutEngine(m, cuda_graphs=False), p, stop_token=stops)
+    a = run(graphs, p, stop_tokens=stops)
+    b = run(RolloutEngine(m, cuda_graphs=False), p, stop_tokens=stops)
     assert graphs.stats["captures"] >= 1 and graphs.stats["graph_fallbacks"] == 0
     assert torch.equal(a, b)
     is_stop = torch.isin(a, torch.tensor(stops, device=a.device))
@@ -210,8 +210,8 @@ def test_engine_logprobs_against_response_logprobs():
 def test_the_callers_generator_advances_as_in_eager_decoding():
     m, p = model(seed=5), prompts()
     g1, g2 = torch.Generator("cuda").manual_seed(11), torch.Generator("cuda").manual_seed(11)
-    run(RolloutEngine(m, steps_per_graph=8), p, rng=g1, stop_token=None)
-    run(RolloutEngine(m, cuda_graphs=False), p, rng=g2, stop_token=None)
+    run(RolloutEngine(m, steps_per_graph=8), p, rng=g1, stop_tokens=None)
+    run(RolloutEngine(m, cuda_graphs=False), p, rng=g2, stop_tokens=None)
     assert torch.equal(g1.get_state(), g2.get_state())
     assert torch.equal(torch.rand(4, device="cuda", generator=g1),
                        torch.rand(4, device="cuda", generator=g2))
@@ -219,5 +219,5 @@ def test_the_callers_generator_advances_as_in_eager_decoding():
 
 def test_generator_on_another_device_is_refused():
     with pytest.raises(ValueError, match="rng is on cpu"):
-        RolloutEngine(model()).generate(prompts(), samples=2, max_generated_tokens=3,
+        RolloutEngine(model()).generate(prompts(), group_size=2, max_generated_tokens=3,
                                         pad_id=PAD, rng=torch.Generator())

@@ -146,7 +146,7 @@ def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe(grou
         use_grouped_experts(model)
     prompts = torch.randint(2, 60, (2, 9), generator=torch.Generator().manual_seed(1))
     prompts[1, :4] = 0
-    kw = dict(samples=3, max_generated_tokens=8, pad_id=0, top_p=0.9)
+    kw = dict(group_size=3, max_generated_tokens=8, pad_id=0, top_p=0.9)
     ours = RolloutEngine(model).generate(prompts, rng=torch.Generator().manual_seed(4), **kw)
     theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(4), **kw)
     assert torch.equal(ours, theirs)

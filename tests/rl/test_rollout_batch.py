@@ -27,14 +27,14 @@ def test_rollout_batch_joins_the_planned_calls_responses_to_their_prompts():
     prompts = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(0))
     prompts[1, :3] = PAD  # left padding
     prompts[2, -2:] = PAD  # right padding
-    kw = dict(samples=4, pad_id=PAD, max_generated_tokens=12, temperature=2.0)
+    kw = dict(group_size=4, pad_id=PAD, max_generated_tokens=12, temperature=2.0)
     tokens, mask, lengths = rollout_batch(RolloutEngine(model_), prompts, stop_tokens=[EOS],
                                           rows_per_call=8, rng=torch.Generator().manual_seed(1),
                                           **kw)
     # the same calls made by hand: groups (0, 1) together, then group 2
     assert plan_calls(3, 4, 8) == [(0, 2, 4), (2, 1, 4)]
     engine, gen = RolloutEngine(model_), torch.Generator().manual_seed(1)
-    response = torch.cat([engine.generate(prompts[a:a + n], stop_token=(EOS,), rng=gen, **kw)
+    response = torch.cat([engine.generate(prompts[a:a + n], stop_tokens=(EOS,), rng=gen, **kw)
                           for a, n, _ in plan_calls(3, 4, 8)])
     assert tokens.shape == mask.shape == (12, 7 + 12)
     is_stop = response == EOS
@@ -49,7 +49,7 @@ def test_rollout_batch_joins_the_planned_calls_responses_to_their_prompts():
 
 def test_a_rank_without_prompts_gets_empty_tensors():
     none = torch.zeros(0, 5, dtype=torch.long)
-    tokens, mask, lengths = rollout_batch(RolloutEngine(model()), none, samples=4, pad_id=PAD,
+    tokens, mask, lengths = rollout_batch(RolloutEngine(model()), none, group_size=4, pad_id=PAD,
                                           max_generated_tokens=6)
     assert tokens.shape == mask.shape == (0, 11) and lengths.shape == (0,)
     assert mask.dtype == torch.bool
@@ -59,5 +59,5 @@ def test_an_empty_prompt_is_named_by_its_row_in_the_batch():
     prompts = torch.randint(2, VOCAB, (4, 5), generator=torch.Generator().manual_seed(0))
     prompts[3] = PAD
     with pytest.raises(ValueError, match=r"prompts \[3\] hold only pad_id=0"):
-        rollout_batch(RolloutEngine(model()), prompts, samples=2, pad_id=PAD,
+        rollout_batch(RolloutEngine(model()), prompts, group_size=2, pad_id=PAD,
                       max_generated_tokens=3, rows_per_call=4)  # calls of 2 groups each

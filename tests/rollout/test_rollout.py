@@ -43,7 +43,7 @@ def before_stop(x, stop):
 @pytest.mark.parametrize("top_k", [None, 5])
 def test_same_samples_as_generate_on_the_replicated_batch(top_k):
     model, g = tiny(), prompts()
-    ours = generate_groups(model, g, samples=3, max_generated_tokens=9, pad_id=PAD,
+    ours = generate_groups(model, g, group_size=3, max_generated_tokens=9, pad_id=PAD,
                            top_k=top_k, rng=torch.Generator().manual_seed(7))
     theirs = replicated_generate(model, g.repeat_interleave(3, 0), 9, None, 7, top_k=top_k)
     assert ours.shape == (6, 9)
@@ -53,8 +53,8 @@ def test_same_samples_as_generate_on_the_replicated_batch(top_k):
 
 def test_early_stop_matches_up_to_each_rows_stop():
     model, g = tiny(seed=3), prompts()
-    ours = generate_groups(model, g, samples=4, max_generated_tokens=12, pad_id=PAD,
-                           stop_token=EOS, rng=torch.Generator().manual_seed(2))
+    ours = generate_groups(model, g, group_size=4, max_generated_tokens=12, pad_id=PAD,
+                           stop_tokens=EOS, rng=torch.Generator().manual_seed(2))
     theirs = replicated_generate(model, g.repeat_interleave(4, 0), 12, [EOS], 2)
     theirs = torch.nn.functional.pad(theirs, (0, 12 - theirs.shape[1]), value=PAD)
     assert (ours == EOS).any()  # the stop token does occur
@@ -62,8 +62,8 @@ def test_early_stop_matches_up_to_each_rows_stop():
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="samples=0"):
-        generate_groups(tiny(), prompts(), samples=0, max_generated_tokens=3, pad_id=PAD)
+    with pytest.raises(ValueError, match="group_size=0"):
+        generate_groups(tiny(), prompts(), group_size=0, max_generated_tokens=3, pad_id=PAD)
 
 
 def test_calls_hold_whole_groups_or_even_splits_of_one():

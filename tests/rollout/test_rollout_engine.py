@@ -94,18 +94,18 @@ def generate_both(model, prompts, **kw):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_samples_what_the_reference_samples(family):
-    ours, theirs = generate_both(model_of(family), ragged_prompts(), samples=3,
-                                 max_generated_tokens=11, stop_token=EOS, top_p=0.9)
+    ours, theirs = generate_both(model_of(family), ragged_prompts(), group_size=3,
+                                 max_generated_tokens=11, stop_tokens=EOS, top_p=0.9)
     assert ours.shape == (9, 11)
     assert torch.equal(ours, theirs)
     assert len({tuple(r) for r in ours.tolist()}) > 3  # samples of a prompt differ
 
 
-@pytest.mark.parametrize("kw", [dict(samples=1), dict(samples=4, top_k=5),
-                                dict(samples=2, top_k=7, top_p=0.5, temperature=0.7),
-                                dict(samples=3, share_prompt=False),
-                                dict(samples=3, steps_per_graph=1),
-                                dict(samples=3, steps_per_graph=50)])
+@pytest.mark.parametrize("kw", [dict(group_size=1), dict(group_size=4, top_k=5),
+                                dict(group_size=2, top_k=7, top_p=0.5, temperature=0.7),
+                                dict(group_size=3, share_prompt=False),
+                                dict(group_size=3, steps_per_graph=1),
+                                dict(group_size=3, steps_per_graph=50)])
 def test_engine_options_sample_what_the_reference_samples(kw):
     ours, theirs = generate_both(model_of("qwen3", seed=2), ragged_prompts(), seed=9,
                                  max_generated_tokens=9, **kw)
@@ -116,10 +116,10 @@ def test_stop_token_pads_the_rest_and_ends_early():
     # a vocabulary of 6: every row meets the stop token within a few steps
     model, prompts = model_of("qwen3", seed=3, vocab=6), ragged_prompts(groups=2, vocab=6)
     engine = RolloutEngine(model, steps_per_graph=4)
-    ours = engine.generate(prompts, samples=4, max_generated_tokens=40, pad_id=PAD,
-                           stop_token=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
-    theirs = reference_generate(model, prompts, samples=4, max_generated_tokens=40, pad_id=PAD,
-                                stop_token=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
+    ours = engine.generate(prompts, group_size=4, max_generated_tokens=40, pad_id=PAD,
+                           stop_tokens=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
+    theirs = reference_generate(model, prompts, group_size=4, max_generated_tokens=40, pad_id=PAD,
+                                stop_tokens=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
     assert torch.equal(ours, theirs)
     assert (ours == EOS).any(1).all()
     for row in ours:
@@ -133,7 +133,7 @@ def test_stop_token_pads_the_rest_and_ends_early():
 def test_several_stop_tokens_end_a_row_at_the_first_of_them():
     # a vocabulary of 12 with stop ids 1 and 5 (a generation config's eos list)
     model, prompts = model_of("qwen3", seed=4, vocab=12), ragged_prompts(groups=2, vocab=12)
-    kw = dict(samples=4, max_generated_tokens=30, pad_id=PAD, stop_token=[5, EOS],
+    kw = dict(group_size=4, max_generated_tokens=30, pad_id=PAD, stop_tokens=[5, EOS],
               temperature=3.0)
     ours = RolloutEngine(model, steps_per_graph=4).generate(
         prompts, **kw, rng=torch.Generator().manual_seed(5))
@@ -149,13 +149,13 @@ def test_several_stop_tokens_end_a_row_at_the_first_of_them():
 def test_weights_updated_in_place_are_seen():
     model, prompts = model_of("qwen3", seed=4), ragged_prompts(groups=2)
     engine = RolloutEngine(model)
-    run = lambda: engine.generate(prompts, samples=2, max_generated_tokens=6, pad_id=PAD,  # noqa: E731
+    run = lambda: engine.generate(prompts, group_size=2, max_generated_tokens=6, pad_id=PAD,  # noqa: E731
                                   rng=torch.Generator().manual_seed(0))
     before = run()
     with torch.no_grad():
         model.layers[0].mlp.w1.weight.mul_(-3.0)
     after = run()
-    fresh = reference_generate(model, prompts, samples=2, max_generated_tokens=6, pad_id=PAD,
+    fresh = reference_generate(model, prompts, group_size=2, max_generated_tokens=6, pad_id=PAD,
                                rng=torch.Generator().manual_seed(0))
     assert torch.equal(after, fresh) and not torch.equal(before, after)
 
@@ -217,14 +217,14 @@ def test_prompt_buckets_waste_under_a_quarter():
     (dict(top_p="0.9"), "top_p='0.9' must be a number"),
     (dict(top_k=0), "top_k=0"),
     (dict(max_generated_tokens=200), "context of 128"),
-    (dict(samples=0), "samples=0"),
-    (dict(stop_token=VOCAB), f"stop_token={VOCAB}"),
-    (dict(stop_token=[EOS, -3]), r"stop_token=\[1, -3\]"),
-    (dict(stop_token=[]), r"stop_token=\[\] names no token"),
-    (dict(stop_token=True), "stop_token=True"),
+    (dict(group_size=0), "group_size=0"),
+    (dict(stop_tokens=VOCAB), f"stop_tokens={VOCAB}"),
+    (dict(stop_tokens=[EOS, -3]), r"stop_tokens=\[1, -3\]"),
+    (dict(stop_tokens=[]), r"stop_tokens=\[\] names no token"),
+    (dict(stop_tokens=True), "stop_tokens=True"),
 ])
 def test_bad_arguments_are_named(kw, match):
-    args = dict(samples=2, max_generated_tokens=4, pad_id=PAD) | kw
+    args = dict(group_size=2, max_generated_tokens=4, pad_id=PAD) | kw
     with pytest.raises(ValueError, match=match):
         RolloutEngine(model_of("qwen3")).generate(ragged_prompts(), **args)
 
@@ -234,11 +234,11 @@ def test_bad_prompts_are_named():
     prompts = ragged_prompts()
     prompts[1] = PAD
     with pytest.raises(ValueError, match=r"prompts \[1\] hold only pad_id=0"):
-        engine.generate(prompts, samples=2, max_generated_tokens=3, pad_id=PAD)
+        engine.generate(prompts, group_size=2, max_generated_tokens=3, pad_id=PAD)
     prompts = ragged_prompts()
     prompts[0, 3] = VOCAB + 4
     with pytest.raises(ValueError, match=f"token id {VOCAB + 4}"):
-        engine.generate(prompts, samples=2, max_generated_tokens=3, pad_id=PAD)
+        engine.generate(prompts, group_size=2, max_generated_tokens=3, pad_id=PAD)
 
 
 def test_unsupported_models_are_refused_by_name():
@@ -263,16 +263,16 @@ def test_triton_attention_on_the_cpu_is_refused_with_the_reason():
     engine = RolloutEngine(model_of("qwen3"), attention="triton")
     with pytest.raises(ValueError, match="attention='triton' cannot run: (Triton is not "
                                          "installed|the kernels run on CUDA, not cpu)"):
-        engine.generate(ragged_prompts(groups=1), samples=2, max_generated_tokens=3, pad_id=PAD)
+        engine.generate(ragged_prompts(groups=1), group_size=2, max_generated_tokens=3, pad_id=PAD)
 
 
 def test_logprobs_after_an_early_stop_are_zero_on_a_reused_engine():
     model, prompts = model_of("qwen3", seed=3, vocab=6), ragged_prompts(groups=2, vocab=6)
     engine = RolloutEngine(model, steps_per_graph=4)
-    args = dict(samples=4, max_generated_tokens=40, pad_id=PAD, temperature=3.0,
+    args = dict(group_size=4, max_generated_tokens=40, pad_id=PAD, temperature=3.0,
                 return_logprobs=True)
     engine.generate(prompts, rng=torch.Generator().manual_seed(1), **args)  # no stop: all set
-    tokens, lp = engine.generate(prompts, stop_token=EOS, rng=torch.Generator().manual_seed(3),
+    tokens, lp = engine.generate(prompts, stop_tokens=EOS, rng=torch.Generator().manual_seed(3),
                                  **args)
     is_stop = tokens == EOS
     after = (is_stop.cumsum(1) - is_stop.long()) > 0
@@ -286,9 +286,9 @@ def test_a_prompt_bucket_past_the_context_is_harmless():
                                       num_kv_heads=2, embed_dim=32, intermediate_dim=64,
                                       head_dim=8, max_seq_len=100).double().eval())
     prompts = torch.randint(2, VOCAB, (2, 98), generator=torch.Generator().manual_seed(0))
-    ours = RolloutEngine(model).generate(prompts, samples=2, max_generated_tokens=2,
+    ours = RolloutEngine(model).generate(prompts, group_size=2, max_generated_tokens=2,
                                          pad_id=PAD, rng=torch.Generator().manual_seed(1))
-    theirs = reference_generate(model, prompts, samples=2, max_generated_tokens=2, pad_id=PAD,
+    theirs = reference_generate(model, prompts, group_size=2, max_generated_tokens=2, pad_id=PAD,
                                 rng=torch.Generator().manual_seed(1))
     assert prompt_bucket(98) > 100 and torch.equal(ours, theirs)
 
@@ -300,7 +300,7 @@ def test_a_call_leaves_the_generator_where_the_reference_does(steps_per_graph):
     # call, and than with another steps_per_graph
     model = model_of("qwen3", vocab=6)  # eos is likely
     prompts = ragged_prompts(groups=2, vocab=6)
-    kw = dict(samples=2, max_generated_tokens=40, pad_id=PAD, stop_token=EOS, temperature=3.0)
+    kw = dict(group_size=2, max_generated_tokens=40, pad_id=PAD, stop_tokens=EOS, temperature=3.0)
     engine = RolloutEngine(model, steps_per_graph=steps_per_graph)
     ours, theirs = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     for _ in range(2):
@@ -312,7 +312,7 @@ def test_a_call_leaves_the_generator_where_the_reference_does(steps_per_graph):
 
 def test_a_call_under_inference_mode_leaves_the_engine_usable():
     engine, prompts = RolloutEngine(model_of("hf_qwen3")), ragged_prompts()
-    kw = dict(samples=2, max_generated_tokens=4, pad_id=PAD)
+    kw = dict(group_size=2, max_generated_tokens=4, pad_id=PAD)
     with torch.inference_mode():
         engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
     again = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
@@ -323,7 +323,7 @@ def test_a_call_under_inference_mode_leaves_the_engine_usable():
 def test_a_resized_vocabulary_is_seen_by_the_next_call():
     model = model_of("hf_qwen3")
     engine, prompts = RolloutEngine(model), ragged_prompts()
-    kw = dict(samples=2, max_generated_tokens=4, pad_id=PAD)
+    kw = dict(group_size=2, max_generated_tokens=4, pad_id=PAD)
     engine.generate(prompts, **kw)
     model.resize_token_embeddings(VOCAB + 27, mean_resizing=False)
     out = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
@@ -338,7 +338,7 @@ def test_a_resized_vocabulary_is_seen_by_the_next_call():
 def test_a_seed_for_rng_and_empty_prompts_are_named(kw, match):
     prompts = ragged_prompts()[:, :kw.pop("width", None)]
     with pytest.raises(ValueError, match=match):
-        RolloutEngine(model_of("qwen3")).generate(prompts, samples=2, max_generated_tokens=4,
+        RolloutEngine(model_of("qwen3")).generate(prompts, group_size=2, max_generated_tokens=4,
                                                   pad_id=PAD, **kw)
 
 
@@ -348,7 +348,7 @@ def test_shorter_prompts_reuse_the_held_workspace():
     # what the reference samples; a shorter one, or a longer one, makes a new workspace
     model = model_of("qwen3", seed=4)
     engine = RolloutEngine(model)
-    kw = dict(samples=2, max_generated_tokens=5, pad_id=PAD, stop_token=EOS)
+    kw = dict(group_size=2, max_generated_tokens=5, pad_id=PAD, stop_tokens=EOS)
     long, short = ragged_prompts(groups=2, width=40), ragged_prompts(groups=2, width=28, seed=2)
     shortest = ragged_prompts(groups=2, width=12, seed=3)
     assert (prompt_bucket(40), prompt_bucket(28), prompt_bucket(12)) == (48, 32, 16)
@@ -366,7 +366,7 @@ def test_shorter_prompts_reuse_the_held_workspace():
 def test_release_frees_the_workspace_and_the_next_call_samples_the_same():
     model = model_of("qwen3", seed=4)
     engine = RolloutEngine(model)
-    kw = dict(samples=2, max_generated_tokens=5, pad_id=PAD, stop_token=EOS)
+    kw = dict(group_size=2, max_generated_tokens=5, pad_id=PAD, stop_tokens=EOS)
     prompts = ragged_prompts(groups=2)
     first = engine.generate(prompts, rng=torch.Generator().manual_seed(5), **kw)
     engine.release()
@@ -383,7 +383,7 @@ def test_calls_alternating_between_two_shapes_keep_both_workspaces(max_workspace
     # alternate; two held workspaces serve both without a new cache at each change
     model = model_of("qwen3", seed=4)
     engine = RolloutEngine(model, max_workspaces=max_workspaces)
-    kw = dict(samples=2, max_generated_tokens=5, pad_id=PAD, stop_token=EOS)
+    kw = dict(group_size=2, max_generated_tokens=5, pad_id=PAD, stop_tokens=EOS)
     two, one = ragged_prompts(groups=2), ragged_prompts(groups=1, seed=3)
     for i, prompts in enumerate([two, one, two, one]):
         ours = engine.generate(prompts, rng=torch.Generator().manual_seed(i), **kw)

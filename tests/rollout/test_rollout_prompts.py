@@ -18,7 +18,7 @@ LEFT = torch.tensor([[EOS, EOS, 11, 12, 13, 14, 15]])  # the same ids, eos as le
 
 def run(model, prompts, pad_id=EOS, seed=3, **kw):
     """The engine's tokens and logprobs, and the reference's tokens, for the same draws."""
-    args = dict(samples=3, max_generated_tokens=8, pad_id=pad_id, temperature=1.5) | kw
+    args = dict(group_size=3, max_generated_tokens=8, pad_id=pad_id, temperature=1.5) | kw
     tokens, logprobs = RolloutEngine(model).generate(
         prompts, rng=torch.Generator().manual_seed(seed), return_logprobs=True, **args)
     theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(seed), **args)
@@ -86,8 +86,8 @@ def test_prompt_mask_says_which_tokens_are_the_prompt():
     (dict(pad_id=VOCAB), f"pad_id={VOCAB} must be"),
     (dict(pad_id=None), "pad_id=None must be"),
     (dict(pad_id=True), "pad_id=True must be"),
-    (dict(samples=2.0), r"samples=2.0 must be an integer >= 1"),
-    (dict(samples=True), "samples=True must be"),
+    (dict(group_size=2.0), r"group_size=2.0 must be an integer >= 1"),
+    (dict(group_size=True), "group_size=True must be"),
     (dict(max_generated_tokens=4.0), "max_generated_tokens=4.0 must be"),
     (dict(top_k=2.5), "top_k=2.5 must be"),
     (dict(top_k=True), "top_k=True must be"),
@@ -102,16 +102,16 @@ def test_prompt_mask_says_which_tokens_are_the_prompt():
      r"prompts \[1\] have no token: prompt_mask is False throughout"),
 ])
 def test_bad_arguments_are_named_before_they_reach_a_kernel(kw, match):
-    args = dict(samples=2, max_generated_tokens=4, pad_id=PAD) | kw
+    args = dict(group_size=2, max_generated_tokens=4, pad_id=PAD) | kw
     with pytest.raises(ValueError, match=match):
         RolloutEngine(model_of("qwen3")).generate(ragged_prompts(), **args)
 
 
 def test_integer_arguments_may_be_numpy_or_tensor_integers():
     engine, prompts = RolloutEngine(model_of("qwen3")), ragged_prompts(groups=2)
-    want = engine.generate(prompts, samples=2, max_generated_tokens=3, pad_id=PAD, top_k=5,
+    want = engine.generate(prompts, group_size=2, max_generated_tokens=3, pad_id=PAD, top_k=5,
                            rng=torch.Generator().manual_seed(0))
-    got = engine.generate(prompts, samples=np.int64(2), max_generated_tokens=torch.tensor(3),
+    got = engine.generate(prompts, group_size=np.int64(2), max_generated_tokens=torch.tensor(3),
                           pad_id=np.int32(PAD), top_k=np.int64(5),
                           rng=torch.Generator().manual_seed(0))
     assert torch.equal(got, want)
@@ -121,7 +121,7 @@ def test_prompts_on_another_device_than_the_model_are_refused_by_name():
     # CPU only: a model on the meta device stands for one on a GPU
     engine = RolloutEngine(model_of("qwen3").to("meta"))
     with pytest.raises(ValueError, match="prompts are on cpu, the model on meta"):
-        engine.generate(ragged_prompts(), samples=2, max_generated_tokens=3, pad_id=PAD)
+        engine.generate(ragged_prompts(), group_size=2, max_generated_tokens=3, pad_id=PAD)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hf_qwen3"])
@@ -139,7 +139,7 @@ def test_an_lm_head_wider_than_the_embedding_is_refused():
     model.output = torch.nn.Linear(32, VOCAB + 2, bias=False, dtype=torch.float64)
     with pytest.raises(ValueError, match=f"the LM head has {VOCAB + 2} rows but the input "
                                          f"embedding {VOCAB}"):
-        RolloutEngine(model).generate(LEFT, samples=2, max_generated_tokens=4, pad_id=EOS,
+        RolloutEngine(model).generate(LEFT, group_size=2, max_generated_tokens=4, pad_id=EOS,
                                       rng=torch.Generator().manual_seed(0))
 
 
@@ -151,7 +151,7 @@ def test_a_model_in_train_mode_with_dropout_is_refused():
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.5
     engine = RolloutEngine(model)
-    args = dict(samples=2, max_generated_tokens=3, pad_id=EOS, rng=torch.Generator().manual_seed(0))
+    args = dict(group_size=2, max_generated_tokens=3, pad_id=EOS, rng=torch.Generator().manual_seed(0))
     engine.generate(LEFT, **args)  # eval mode: dropout inactive
     model.train()
     with pytest.raises(ValueError, match="in train mode with dropout, which the engine does not"):

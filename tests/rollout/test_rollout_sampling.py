@@ -32,7 +32,7 @@ def test_engine_logprobs_equal_a_full_forward_at_the_temperature():
     model = same_dtype_numerics(model.to(torch.float64).eval())
     prompts = torch.randint(2, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
     tokens, lp = RolloutEngine(model).generate(
-        prompts, samples=samples, max_generated_tokens=t, pad_id=0, temperature=temperature,
+        prompts, group_size=samples, max_generated_tokens=t, pad_id=0, temperature=temperature,
         rng=torch.Generator().manual_seed(3), return_logprobs=True)
     batch = torch.cat([prompts.repeat_interleave(samples, 0), tokens], 1)
     p = prompts.shape[1]
