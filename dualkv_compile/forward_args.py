@@ -32,7 +32,9 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
     if tt and masks[0] is not None:
         masks[0] = padding_from_torchtune_mask(adapter, masks[0], positions)
     if not tt:
-        kwargs.pop("use_cache", None)
+        if kwargs.pop("use_cache", None):  # False or None: what a training forward passes
+            raise ValueError("use_cache=True: the dualkv wrapper returns no KV cache (it runs "
+                             "training forwards); pass use_cache=False or leave it out")
     masks = [as_padding_mask(m) for m in masks if m is not None]
     if not tt and positions is None and name_given:
         _check_no_gaps(masks[0])
@@ -48,7 +50,10 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
         expected = row_positions(mask)
         if not torch.equal(torch.where(mask, positions, 0), torch.where(mask, expected, 0)):
             raise ValueError("the given positions differ from 0.. over each row's valid "
-                             "tokens, which is what the packed layout uses")
+                             "tokens, which is what the packed layout uses" + (
+                                 "; with torchtune's mask, input_pos must also be 0 at padding "
+                                 "(get_position_ids_from_padding_mask): a last column at "
+                                 "another position is read as a token" if tt else ""))
     return tokens, padding_mask
 
 

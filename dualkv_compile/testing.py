@@ -36,9 +36,13 @@ def make_batch(
     device: str | torch.device = "cpu",
 ) -> tuple[Tensor, Tensor, int]:
     """A GRPO batch: group g has a prompt of prompt_lengths[g] valid tokens and one row per entry
-    of response_lengths[g]. Returns (tokens [B, L], padding_mask [B, L], prompt_len)."""
+    of response_lengths[g]. Returns (tokens [B, L], padding_mask [B, L], prompt_len). Token ids
+    lie in [1, vocab); a prompt's first token, g + 1, tells the groups apart."""
     if len(prompt_lengths) != len(response_lengths):
         raise ValueError("one list of response lengths per prompt is needed")
+    if vocab <= len(prompt_lengths) + 1:
+        raise ValueError(f"vocab={vocab} holds distinct first tokens for at most {vocab - 2} "
+                         f"groups, not {len(prompt_lengths)}")
     if pad_side not in ("left", "right"):
         raise ValueError(f"pad_side={pad_side!r} must be 'left' or 'right'")
     prompt_len = prompt_len or max(prompt_lengths)
@@ -47,7 +51,7 @@ def make_batch(
     for g, (p, responses) in enumerate(zip(prompt_lengths, response_lengths)):
         # distinct groups: the first token encodes the group, the rest are random
         prompt = torch.randint(1, vocab, (p,), generator=generator)
-        prompt[0] = g + 1 + vocab
+        prompt[0] = g + 1
         for r in responses:
             row = torch.zeros(prompt_len + resp_len, dtype=torch.long)
             m = torch.zeros(prompt_len + resp_len, dtype=torch.bool)

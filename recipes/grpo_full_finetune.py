@@ -35,6 +35,7 @@ from dualkv_compile.rl import (group_advantages, overlong_penalty, peak_bf16_tfl
                                policy_update_flops, scored_groups)
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.metric_log import open_metric_logger
+from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
 from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal,
@@ -130,10 +131,11 @@ class GRPORecipe:
         # unless `rollout_share_prompt` says otherwise (off: the prompt K/V replicated per row,
         # as a decoder without cascade attention holds it)
         share = cfg.get("rollout_share_prompt")
-        self.rollout_engine = RolloutEngine(
+        self.rollout_engine = refused_as_config("model", lambda: RolloutEngine(
             self.model, share_prompt=bool(cfg.dualkv.enabled) if share is None else bool(share),
-            steps_per_graph=int(cfg.get("rollout_steps_per_graph", 16)))
-        self.policy = dk.optimize(self.model, dcfg)
+            steps_per_graph=int(cfg.get("rollout_steps_per_graph", 16))))
+        check_model_fit(cfg, self.tokenizer, self.task, self.rollout_engine.decoder)
+        self.policy = refused_as_config("dualkv", lambda: dk.optimize(self.model, dcfg))
         self.reference = dk.optimize(self.ref_model, dcfg, share_compiles_with=self.policy)
         self.loss_fn = instantiate_checked("loss", cfg.loss)
         self.optimizer = instantiate_checked("optimizer", cfg.optimizer, self.model.parameters())

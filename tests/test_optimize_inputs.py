@@ -37,6 +37,9 @@ def test_forward_accepts_the_models_own_arguments():
         wrapper(input_ids=tokens, attention_mask=mask, position_ids=positions + 1, prompt_len=p)
     with pytest.raises(ValueError, match=r"unsupported arguments.*'labels'"):
         wrapper(input_ids=tokens, labels=tokens, prompt_len=p)
+    wrapper(input_ids=tokens, attention_mask=mask, use_cache=False, prompt_len=p)
+    with pytest.raises(ValueError, match="use_cache=True: the dualkv wrapper returns no KV"):
+        wrapper(input_ids=tokens, attention_mask=mask, use_cache=True, prompt_len=p)
 
 
 def test_padding_between_tokens_needs_position_ids():
@@ -208,6 +211,10 @@ def test_torchtune_mask_and_input_pos_are_accepted():
     assert torch.equal(logits, ref)
     with pytest.raises(ValueError, match="pass input_pos as well"):
         wrapper(tokens, mask=tt_mask, prompt_len=p)
+    # positions right at every token but not 0 at padding: the last column reads as a token
+    cumsum_pos = (mask.long().cumsum(1) - 1).clamp_min(0)
+    with pytest.raises(ValueError, match="input_pos must also be 0 at padding"):
+        wrapper(tokens, mask=tt_mask, input_pos=cumsum_pos, prompt_len=p)
     with pytest.raises(ValueError, match="not a causal padding mask"):
         wrapper(tokens, mask=torch.ones_like(tt_mask), input_pos=input_pos, prompt_len=p)
     # a row whose one token is in the last column has the mask and positions of padding: it

@@ -175,7 +175,7 @@ def build_model(name: str, layers: int | None = None, positions: int | None = No
     _check_memory(name, layers)
     try:
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, AssertionError) as e:  # (transformers asserts, e.g. padding_idx)
         raise CliError(f"cannot build a causal LM from {name}: {_short(e)}") from None
     if any(hasattr(m, "gate_up_proj") for m in model.modules()):  # a mixture of experts
         from dualkv_compile.models import use_grouped_experts

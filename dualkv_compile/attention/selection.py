@@ -62,7 +62,8 @@ def flash_status(device: torch.device, head_dim: int | None = None,
 MEASURED = {
     "H100": ("FLASH", "TRITON",
              "fwd+bwd on ragged GRPO micro-batches against FA4 varlen: flex FLASH ahead of "
-             "flex Triton and regions on every case (docs/performance.md, \"Ragged layouts\")"),
+             "flex Triton and regions on every case (docs/results/attention_ragged_h100.md; "
+             "docs/performance.md, \"Ragged layouts\")"),
 }
 
 

@@ -16,6 +16,11 @@ class HFTokenizer:
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+        # without any of these, transformers' message blames missing sentencepiece/tiktoken
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any((Path(path) / name).is_file() for name in files):
+            raise FileNotFoundError(f"tokenizer directory {path} holds none of the tokenizer "
+                                    f"files {', '.join(files)}")
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if self._tok.eos_token_id is None:
             raise ValueError(f"the tokenizer in {path} has no eos token")

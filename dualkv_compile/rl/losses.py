@@ -26,6 +26,8 @@ def group_advantages(rewards: Tensor, *, eps: float = 1e-6, scale: bool = True) 
     otherwise be divided by eps."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, samples], got shape {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():  # 0/1 rule rewards as bool or int
+        rewards = rewards.to(torch.get_default_dtype())
     centred = rewards - rewards.mean(1, keepdim=True)
     if scale:
         centred = centred / (rewards.std(1, keepdim=True, unbiased=False) + eps)
@@ -80,6 +82,11 @@ class GRPOLoss:
                  advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """logprobs/old/ref [B, R], advantages [B], mask [B, R] (True = response token).
         Returns (loss, stats) with stats kl, clip_fraction and ratio (detached means)."""
+        shapes = [tuple(t.shape) for t in (logprobs, old_logprobs, ref_logprobs, mask)]
+        if len(set(shapes)) > 1 or advantages.shape != logprobs.shape[:1]:
+            raise ValueError(f"GRPOLoss needs logprobs, old, ref and mask of one shape [B, R] and "
+                             f"advantages [B]; got {shapes[:3]}, {shapes[3]} and "
+                             f"{tuple(advantages.shape)}")
         adv = advantages[:, None].expand_as(logprobs)
         per_token = self._per_token(logprobs, old_logprobs, ref_logprobs, adv)
         loss = (per_token * self.token_weights(mask).to(per_token.dtype)).sum()

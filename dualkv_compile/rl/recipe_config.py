@@ -248,12 +248,12 @@ class _Checker:
                          "the last cache_len tokens before max_len")
         model, checkpointer = config.get("model"), config.get("checkpointer")
         if isinstance(model, dict) and isinstance(checkpointer, dict):
-            changed = sorted(set(model) - {"_component_", "path", "max_seq_len"})
-            if changed:
-                self.bad("model", f"{changed} override the checkpoint's config.json, which the "
-                                  f"checkpointer copies into every saved folder (transformers "
-                                  f"would load another model); edit a copy of config.json and "
-                                  f"point checkpoint_dir at it instead")
+            for key in sorted(set(model) - {"_component_", "path", "max_seq_len"}):
+                # one line per key, each with where it came from (the file or an override)
+                self.bad(f"model.{key}", "overrides the checkpoint's config.json, which the "
+                                         "checkpointer copies into every saved folder "
+                                         "(transformers would load another model); edit a copy "
+                                         "of config.json and point checkpoint_dir at it instead")
         groups, micro = config.get("groups_per_step"), config.get("micro_batch_groups")
         ranks = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun (tune run --nproc...)
         if isinstance(groups, int) and isinstance(micro, int) and groups > 0 and micro > 0:

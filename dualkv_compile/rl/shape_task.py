@@ -61,6 +61,10 @@ class EvenTokensTask(SeededTask):
         self.tokenizer, self.prompt_len = tokenizer, prompt_len
         self.min_prompt_len = min_prompt_len
 
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_len
+
     def sample_prompts(self, n: int) -> tuple[Tensor, list[str]]:
         tok = self.tokenizer
         body = torch.randint(3, tok.vocab_size, (n, self.prompt_len - 1), generator=self.generator)

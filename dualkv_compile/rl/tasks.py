@@ -78,6 +78,10 @@ class RepeatLastLetterTask(SeededTask):
         self.tokenizer, self.prompt_letters, self.target_len = tokenizer, prompt_letters, target_len
         self.letters = letters
 
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_letters + 2
+
     def sample_prompts(self, n: int) -> tuple[Tensor, list[str]]:
         """n prompts of equal length: tokens [n, prompt_letters + 2] and their answer letters."""
         idx = torch.randint(0, len(self.letters), (n, self.prompt_letters), generator=self.generator)

@@ -44,6 +44,9 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     on, which must still join the collectives). loss_mask [G*N, R]: the response tokens the
     loss counts, a subset of mask[:, prompt_len:] (the default); DAPO's overlong filtering
     passes it without the truncated responses, which still run through the model."""
+    if not callable(getattr(policy, "response_loss", None)):
+        raise TypeError(f"policy is a {type(policy).__name__}; optimizer_step needs the "
+                        "wrapper dualkv_compile.optimize(model) returns (a DualKVModel)")
     p = prompt_len
     resp_mask = mask[:, p:] if loss_mask is None else _checked_loss_mask(loss_mask, mask[:, p:])
     _, world_size = ddp.world()

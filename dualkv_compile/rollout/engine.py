@@ -147,6 +147,9 @@ class RolloutEngine:
         device = prompts.device
         on_cuda = device.type == "cuda"
         compiled = self.compile if self.compile is not None else on_cuda
+        if self.cuda_graphs and not (on_cuda and compiled):  # (a graph replays compiled steps)
+            raise ValueError(f"cuda_graphs=True needs CUDA and compiled steps; the prompts are "
+                             f"on {device} and compile={compiled}")
         implementation = self._implementation(device, dtype)
         if implementation == "flex" and compiled and not on_cuda:
             raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "

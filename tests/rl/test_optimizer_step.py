@@ -83,6 +83,14 @@ def test_a_loss_mask_outside_the_responses_or_of_another_shape_is_refused():
         step(model, tokens, mask, p, old, ref, adv, loss_fn, mask[:, p:].float())
 
 
+def test_the_plain_model_as_policy_is_refused_by_name():
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("token")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="optimizer_step needs the wrapper dualkv_compile.optimize"):
+        optimizer_step(model, loss_fn, opt, tokens, mask, p, old, ref, adv, group_size=2,
+                       temperature=1.0, max_grad_norm=1.0)
+
+
 def test_truncated_responses_end_without_a_stop_token():
     eos, pad = 1, 1  # pad = eos, as in many tokenizers
     # prompt 3 tokens (row 3 holds eos in its prompt); responses of width 4

@@ -229,6 +229,12 @@ def test_tune_run_prints_no_torchao_line_before_our_code_runs():
     ("loss.kl_coef=.nan", "error: loss.kl_coef (command-line override 'loss.kl_coef=.nan'): "
                           "nan is not a number (NaN)"),  # YAML's NaN
     ("model.embed_dim=-64", "error: model: ValueError: embed_dim=-64 must be an integer >= 1"),
+    # settings the built model cannot run: refused before the first step, not in it
+    ("dualkv.attention_backend=triton", "error: dualkv: attention_backend='triton' is a CUDA "
+                                        "kernel and the model is on cpu"),
+    ("max_generated_tokens=300", "error: max_generated_tokens=300: with prompts of up to 8 "
+                                 "tokens it exceeds the model's context of 256"),
+    ("model.vocab_size=5", "error: model: its vocabulary holds 5 ids, the tokenizer's 12"),
 ])
 def test_a_value_a_component_refuses_is_a_config_error(tmp_path, override, message):
     proc = tune(f"output_dir={tmp_path / 'run'}", "num_steps=1", override)

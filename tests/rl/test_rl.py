@@ -19,6 +19,9 @@ def test_group_advantages_normalise_within_each_group():
     assert torch.allclose(group_advantages(r, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
     with pytest.raises(ValueError, match=r"\[groups, samples\], got shape \(4,\)"):
         group_advantages(r[0])
+    # 0/1 rule rewards as ints or bools: the same advantages as their float form
+    assert torch.equal(group_advantages(r[:1].long()), a[:1])
+    assert torch.equal(group_advantages(r[:1].bool()), a[:1])
 
 
 def test_groups_of_equal_rewards_get_exactly_zero_advantages():
@@ -105,6 +108,11 @@ def test_bad_loss_settings():
         GRPOLoss(epsilon_low=-0.1)
     with pytest.raises(ValueError, match="epsilon_high=-0.1"):
         GRPOLoss(epsilon_high=-0.1)
+    lp, mask = torch.zeros(4, 3), torch.ones(4, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"advantages \[B\]; got .* and \(3,\)"):
+        GRPOLoss()(lp, lp, lp, torch.ones(3), mask)
+    with pytest.raises(ValueError, match=r"one shape \[B, R\]"):
+        GRPOLoss()(lp, lp[:, :2], lp, torch.ones(4), mask)
 
 
 def test_tokenizer_and_task_reward():

@@ -129,15 +129,29 @@ def _config(**changes) -> dict:
                        "checkpoint_dir": "c", "output_dir": "o"},
       "model": {"_component_": "dualkv_compile.models.qwen3_from_hf_config", "path": "c",
                 "rope_base": 5e5}},
-     # (merged into the tiny config's model section, whose keys stay)
-     "model (x): ['embed_dim', 'num_layers', 'rope_base', 'vocab_size'] override the "
-     "checkpoint's config.json"),
+     # (merged into the tiny config's model section, whose keys stay: one line each)
+     "model.rope_base (x): overrides the checkpoint's config.json"),
 ])
 def test_values_that_fail_together_are_refused_up_front(changes, message, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError) as e:
         check_recipe_config(_config(**changes), config_file="x", overrides=[])
     assert any(line.startswith(message) for line in e.value.problems), e.value.problems
+
+
+def test_a_model_override_of_a_checkpoint_names_the_command_line(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = _config(**{"checkpointer": {"_component_": "dualkv_compile.models.Qwen3HFCheckpointer",
+                                         "checkpoint_dir": "c", "output_dir": "o"}})
+    config["model"] = {"_component_": "dualkv_compile.models.qwen3_from_hf_config", "path": "c",
+                       "rope_base": 5e5}
+    with pytest.raises(ConfigError) as e:
+        check_recipe_config(config, config_file="x", overrides=["model.rope_base=500000"])
+    assert e.value.problems == [
+        "model.rope_base (command-line override 'model.rope_base=500000'): overrides the "
+        "checkpoint's config.json, which the checkpointer copies into every saved folder "
+        "(transformers would load another model); edit a copy of config.json and point "
+        "checkpoint_dir at it instead"]
 
 
 def test_a_required_key_left_out_is_named():
@@ -162,6 +176,11 @@ def test_a_missing_file_of_a_component_names_its_section(tmp_path):
     node = OmegaConf.create({"_component_": "dualkv_compile.rl.HFTokenizer",
                              "path": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match=r"^tokenizer: tokenizer directory .*nope does not exist"):
+        instantiate_checked("tokenizer", node)
+    (tmp_path / "empty").mkdir()  # transformers' own error blamed sentencepiece / tiktoken
+    node.path = str(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"^tokenizer: tokenizer directory .*empty holds none "
+                                          r"of the tokenizer files tokenizer.json"):
         instantiate_checked("tokenizer", node)
 
 

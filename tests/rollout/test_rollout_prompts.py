@@ -143,6 +143,13 @@ def test_an_lm_head_wider_than_the_embedding_is_refused():
                                       rng=torch.Generator().manual_seed(0))
 
 
+def test_cuda_graphs_where_none_can_run_are_refused():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs CUDA and compiled steps; the "
+                                         "prompts are on cpu"):
+        RolloutEngine(model_of("qwen3"), cuda_graphs=True).generate(
+            LEFT, group_size=2, max_generated_tokens=2, pad_id=EOS)
+
+
 def test_a_model_in_train_mode_with_dropout_is_refused():
     """The engine computes attention itself and would sample as in eval mode, while the model
     in train mode applies dropout: refused, as optimize() refuses it."""

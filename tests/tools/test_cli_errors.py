@@ -85,6 +85,17 @@ def test_malformed_config_json_exits_2_with_one_line(command, content, message, 
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
+def test_a_model_transformers_refuses_to_build_exits_2(tmp_path, capsys):
+    # transformers asserts the padding id lies in the vocabulary: a traceback before (it
+    # also warns on its own line, which is its logger's)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_LLAMA, "pad_token_id": 100}))
+    assert main(["inspect", "--model", str(path)]) == 2
+    err = capsys.readouterr().err  # (an uncaught error would not return 2)
+    assert err.strip().splitlines()[-1].startswith("dualkv inspect: error: cannot build a causal "
+                                                   "LM from")
+
+
 def test_inspect_a_config_json_not_named_config_json(tmp_path, capsys):
     # transformers was handed the folder, which read the folder's config.json, not this file
     (tmp_path / "llama.json").write_text(json.dumps(_LLAMA))
