@@ -395,8 +395,10 @@ def recipe_main(cfg: DictConfig) -> None:
         return
     first, last = recipe.history[:5], recipe.history[-5:]
     mean = lambda rows: sum(r["reward"] for r in rows) / max(len(rows), 1)  # noqa: E731
+    saved = (f"checkpoint of step {recipe.saved_step} in {recipe.output_dir}"
+             if recipe.saved_step is not None else "no checkpoint written")
     print(f"mean reward: first {len(first)} steps {mean(first):.3f}, "
-          f"last {len(last)} steps {mean(last):.3f}; checkpoint in {recipe.output_dir}")
+          f"last {len(last)} steps {mean(last):.3f}; {saved}")
 
 
 if __name__ == "__main__":

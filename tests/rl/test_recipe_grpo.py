@@ -172,6 +172,7 @@ def test_tune_run_entry_point(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mean reward:" in done.stdout
+    assert f"checkpoint of step 2 in {tmp_path / 'cli'}" in done.stdout
     assert (tmp_path / "cli" / "checkpoint.pt").is_file()
 
 
