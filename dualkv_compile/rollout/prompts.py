@@ -24,9 +24,9 @@ def prompt_mask_of(prompts: Tensor, pad_id: int) -> Tensor:
 
 def checked_prompts(prompts: Tensor, mask: Tensor | None, t: int, pad_id: int, rng,
                     model: torch.nn.Module, decoder) -> tuple[Tensor, Tensor, int]:
-    """Refuse bad prompts (and mask, rng, a model in train mode with dropout) by name before anything runs on them; return the
-    prompts with their tokens first, in order, padded with pad_id ([G, P]), their lengths
-    [G] and the longest."""
+    """Refuse bad prompts (and mask, rng, a model in train mode with dropout) by name before
+    anything runs on them; return the prompts with their tokens first, in order, padded with
+    pad_id ([G, P]), their lengths [G] and the longest."""
     if not (isinstance(prompts, Tensor) and prompts.dim() == 2 and prompts.shape[0] >= 1
             and prompts.shape[1] >= 1 and prompts.dtype in (torch.long, torch.int32)):
         raise ValueError(f"prompts {describe(prompts)} must be [G, P] integer token ids, "
