@@ -148,6 +148,12 @@ def test_mask_ragged_prints_the_lengths_it_drew_with_its_seed(tmp_path, capsys):
     assert drawn[0] != drawn[1]
 
 
+def test_mask_draws_more_groups_than_its_default_vocabulary(tmp_path, capsys):
+    assert main(["mask", "--groups", "1200", "-N", "1", "-P", "1", "-R", "1",
+                 "--out", str(tmp_path / "m.png")]) == 0
+    assert "T=2432 tokens" in capsys.readouterr().out  # 1,200 groups of 2 tokens, padded to 128
+
+
 def test_plan_prints_the_estimate(capsys):
     assert main(["plan", "--model", "qwen3-1.7b", "-N", "16", "-P", "4096", "-R", "1024",
                  "--gpu-memory", "80"]) == 0
@@ -257,4 +263,4 @@ def test_inspect_traces_the_flex_graph_for_a_gpu_kernel_and_refuses_merged_group
     assert main(["inspect", "--model", "qwen2_5", "--groups", "200", "--group-size", "2",
                  "-P", "1", "-R", "1"]) == 2
     assert "--groups 200: qwen2_5's vocabulary of 101 tokens holds distinct prompts for at " \
-           "most 98 groups" in capsys.readouterr().err
+           "most 99 groups" in capsys.readouterr().err

@@ -55,15 +55,14 @@ def run_inspect(args, out=print) -> int:
     model = build_model(args.model, args.layers, positions=args.prompt_len + args.response_len)
     vocab = model.get_output_embeddings().weight.shape[0] if hasattr(
         model, "get_output_embeddings") else model.tok_embeddings.num_embeddings
+    if args.groups > vocab - 2:  # make_batch tells groups apart by their first token, 1..G
+        raise CliError(f"--groups {args.groups}: {args.model}'s vocabulary of {vocab} tokens "
+                       f"holds distinct prompts for at most {vocab - 2} groups here")
     g = torch.Generator().manual_seed(0)
     tokens, mask, p = make_batch([args.prompt_len] * args.groups,
                                  [[args.response_len] * args.group_size] * args.groups,
-                                 vocab=max(vocab - args.groups - 2, 2), generator=g)
-    tokens = tokens % vocab
+                                 vocab=vocab, generator=g)
     packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
-    if packed.num_groups != args.groups:  # each group's first token must differ
-        raise CliError(f"--groups {args.groups}: {args.model}'s vocabulary of {vocab} tokens "
-                       f"holds distinct prompts for at most {max(vocab - 3, 1)} groups here")
     # the flex kernels (auto, flash, triton) share one graph form: the CPU trace shows it, and
     # the lines below name the kernel a GPU would run
     asked = args.attention_backend

@@ -66,7 +66,8 @@ def run_mask(args, out=print) -> int:
             out(f"  group {i}: {' '.join(map(str, group))}")
     else:
         lengths = [[args.response_len] * args.group_size for _ in range(args.groups)]
-    tokens, mask, p = make_batch([args.prompt_len] * args.groups, lengths, generator=g)
+    tokens, mask, p = make_batch([args.prompt_len] * args.groups, lengths, generator=g,
+                                 vocab=max(1000, args.groups + 2))  # (ids only tell groups apart)
     packed = dk.pack(tokens, prompt_len=p, padding_mask=mask, pad_to=args.pad_to)
     if packed.seq_len >= SLOW_TOKENS:  # (on stderr: stdout may be piped into a file)
         print(f"classifying the {packed.seq_len // BLOCK_SIZE:,} x {packed.seq_len // BLOCK_SIZE:,}"
