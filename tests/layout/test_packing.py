@@ -200,3 +200,13 @@ def test_group_detection_survives_hash_collisions(monkeypatch):
                         else real(*a, **k))
     assert torch.equal(pack(tokens, prompt_len=p, padding_mask=mask).group_ids, expected)
     assert pack(tokens, prompt_len=p, padding_mask=mask).num_groups == 3
+
+
+def test_make_batch_ids_lie_below_vocab():
+    # the README's snippet builds a model of `vocab` ids: make_batch's first tokens told the
+    # groups apart with ids past vocab before
+    tokens, mask, _ = make_batch([3, 5, 2], [[2], [1, 4], [3]], vocab=6,
+                                 generator=torch.Generator().manual_seed(0))
+    assert int(tokens[mask].min()) >= 1 and int(tokens[mask].max()) < 6
+    with pytest.raises(ValueError, match="vocab=4 holds distinct first tokens for at most 2"):
+        make_batch([1, 1, 1], [[1], [1], [1]], vocab=4)
