@@ -92,9 +92,9 @@ def open_metric_logger(cfg: DictConfig, run_cfg: DictConfig, *, output_dir: Path
     run continues its earlier TensorBoard run where the logger can (TensorBoardLogger) and
     says once where it cannot."""
     from .recipe_config import instantiate_checked
-    ours = OmegaConf.select(cfg, "_component_") == "dualkv_compile.rl.TensorBoardLogger"
-    logger = instantiate_checked("metric_logger", cfg,
-                                 **({"output_dir": str(output_dir)} if ours else {}))
+    logger = instantiate_checked("metric_logger", cfg)
+    if isinstance(logger, TensorBoardLogger) and logger._owner is None:  # (by any import path)
+        logger._owner = str(Path(output_dir).resolve())
     if resume_step is not None and not (isinstance(logger, TensorBoardLogger)
                                         and logger.resume(resume_step)):
         why = (f"no earlier run of {output_dir} in {logger.log_dir}"
