@@ -8,7 +8,8 @@ from torch import Tensor, nn
 
 from .hf_config import SEQUENCE_DEPENDENT_ROPE, rope_types, sliding_window
 
-__all__ = ["HF_FAMILIES", "adapter_for", "has_dropout", "hf_decoder", "token_vocabulary"]
+__all__ = ["HF_FAMILIES", "adapter_for", "has_dropout", "hf_decoder", "token_vocabulary",
+           "torchtune_head_weight"]
 
 
 # the name of the hook transformers' enable_input_require_grads() registers (a local function;
@@ -164,8 +165,7 @@ class _Torchtune:
                                 self.lm_head_weight(model).shape[0])
 
     def lm_head_weight(self, model) -> Tensor:
-        out = model.output
-        return out.tied_module.weight if hasattr(out, "tied_module") else out.weight
+        return torchtune_head_weight(model)
 
     def replicated_mask(self, padding_mask: Tensor) -> Tensor:
         """[B, L, L] causal mask over valid tokens; padding rows see themselves (no NaN)."""
@@ -299,6 +299,12 @@ class _HuggingFace:
 
     def check_layer_region(self, model):
         _check_outside_modules(model.get_input_embeddings(), hf_decoder(model).norm)
+
+
+def torchtune_head_weight(model) -> Tensor:
+    """A torchtune decoder's LM-head weight: its output's, or the tied embedding's."""
+    out = model.output
+    return out.tied_module.weight if hasattr(out, "tied_module") else out.weight
 
 
 def hf_decoder(model):

@@ -17,7 +17,7 @@ import sys
 
 from torch import Tensor, nn
 
-from ..adapters import hf_decoder, token_vocabulary
+from ..adapters import hf_decoder, token_vocabulary, torchtune_head_weight
 from ..hf_config import rope_types, sliding_window
 
 __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
@@ -87,8 +87,7 @@ class _TorchtuneDecoder:
     @property
     def vocab_size(self) -> int:
         """Read on each call: the model's embedding may be resized after the engine is built."""
-        out = self.model.output
-        head = out.tied_module.weight if hasattr(out, "tied_module") else out.weight
+        head = torchtune_head_weight(self.model)
         return token_vocabulary(self.model.tok_embeddings.num_embeddings, head.shape[0],
                                 sampling=True)
 
