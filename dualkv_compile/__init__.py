@@ -1,33 +1,29 @@
 """dualkv_compile: compute each shared prompt once in GRPO/DAPO policy updates.
 
-Importing this package must not initialise CUDA (tests/test_import.py checks it).
+Importing this package must not initialise CUDA (tests/test_import.py checks it). Its public
+names are imported when first read (`_lazy.py`), so that the `dualkv` command starts fast.
 """
 
+from ._lazy import lazy_package as _lazy_package
 from ._quiet import install_filter as _install_filter
 
 _install_filter()
 
-from .attention.op import shared_prefix_attention
-from .config import DualKVConfig
-from .layout.plan import MicroBatchPlan, micro_batch_rows, plan_micro_batches
-from .optimize import DualKVModel, optimize
-from .layout.packing import PackedBatch, pack
-from .passes._common import Refusal
-from .stats import counters
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "DualKVConfig",
-    "DualKVModel",
-    "MicroBatchPlan",
-    "PackedBatch",
-    "Refusal",
-    "counters",
-    "micro_batch_rows",
-    "optimize",
-    "pack",
-    "plan_micro_batches",
-    "shared_prefix_attention",
-    "__version__",
-]
+_EXPORTS = {
+    "DualKVConfig": ".config",
+    "DualKVModel": ".optimize",
+    "MicroBatchPlan": ".layout.plan",
+    "PackedBatch": ".layout.packing",
+    "Refusal": ".passes._common",
+    "counters": ".stats",
+    "micro_batch_rows": ".layout.plan",
+    "optimize": ".optimize",
+    "pack": ".layout.packing",
+    "plan_micro_batches": ".layout.plan",
+    "shared_prefix_attention": ".attention.op",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+_lazy_package(__name__, _EXPORTS)

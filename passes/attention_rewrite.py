@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+import dualkv_compile.attention.op  # noqa: F401  (registers the region ops graph_op returns)
 from dualkv_compile.attention.kernel_options import kernel_options_for
 from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR

@@ -9,7 +9,10 @@ def refuse(*a, **k):
     raise RuntimeError("CUDA was initialised")
 torch.cuda._lazy_init = refuse
 torch.cuda.init = refuse
-import dualkv_compile, dualkv_compile.passes, dualkv_compile.tools
+import dualkv_compile, dualkv_compile.passes, dualkv_compile.tools, dualkv_compile.models
+for package in (dualkv_compile, dualkv_compile.models):  # the names are imported when read
+    for name in package.__all__:
+        getattr(package, name)
 import dualkv_compile.attention.block_mask, dualkv_compile.attention.kernel_options, dualkv_compile.testing
 assert not torch.cuda.is_initialized()
 print("ok")
@@ -21,6 +24,32 @@ def test_import_does_not_initialise_cuda():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def _fresh(script: str) -> str:
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_public_name_is_not_replaced_by_its_submodule():
+    # `optimize` is a function and a module: importing the module first (as the recipe's
+    # imports do) must leave `dualkv_compile.optimize` the function
+    assert _fresh("import dualkv_compile.optimize, dualkv_compile.models.qwen3\n"
+                  "import dualkv_compile as dk, dualkv_compile.models as m\n"
+                  "print(dk.optimize.__module__, m.qwen3.__module__, callable(m.qwen3))"
+                  ) == "dualkv_compile.optimize dualkv_compile.models.qwen3 True"
+    assert _fresh("import dualkv_compile as dk\n"
+                  "f = dk.optimize\n"
+                  "import dualkv_compile.optimize\n"
+                  "print(dk.optimize is f, 'optimize' in dir(dk))") == "True True"
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import dualkv_compile
+
+    with pytest.raises(AttributeError, match="has no attribute 'optimise'"):
+        dualkv_compile.optimise  # noqa: B018
 
 
 def test_subpackages_are_installed_under_the_package_name():

@@ -11,8 +11,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
@@ -104,6 +102,7 @@ def environment() -> dict:
     """GPU, versions and capability, for the JSON of every benchmark (needs CUDA)."""
     from importlib import metadata
 
+    import torch
     import triton
 
     from dualkv_compile.attention.selection import flash_status

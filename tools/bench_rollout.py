@@ -27,7 +27,7 @@ import time
 import torch
 
 from dualkv_compile.models import qwen3_8b
-from dualkv_compile.models.qwen3 import QWEN3_SIZES, QWEN3_VOCAB
+from dualkv_compile.models.qwen3_sizes import QWEN3_SIZES, QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, write_results)

@@ -14,14 +14,12 @@ import argparse
 import os
 import sys
 
-from ..attention.registry import KERNELS
 from ._common import OneLineParser, positive_int
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
 
 __all__ = ["main", "build_parser"]
-
 
 
 def _layout(sub):
@@ -35,6 +33,8 @@ def _layout(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..attention.registry import KERNELS  # imports torch: inside main's Ctrl-C handling
+
     models = ", ".join(TINY + tuple(PRESETS))
     ap = OneLineParser(prog="dualkv", description=__doc__.split("\n\n")[0])
     subs = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -86,11 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)
         return _run(args)
     except KeyboardInterrupt:
-        print(f"dualkv {args.command}: interrupted", file=sys.stderr)
+        print(f"dualkv{'' if args is None else ' ' + args.command}: interrupted",
+              file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dualkv ... | head`: the reader left; say nothing more
         try:  # (and let the interpreter's final flush of stdout find no pipe to fail on)

@@ -15,7 +15,7 @@ QWEN3_MAX_POSITIONS = 40960
 
 
 def _qwen3_presets() -> dict[str, dict]:
-    from dualkv_compile.models.qwen3 import QWEN3_SIZES, QWEN3_VOCAB
+    from dualkv_compile.models.qwen3_sizes import QWEN3_SIZES, QWEN3_VOCAB
 
     return {f"qwen3-{size}": dict(hidden=d["embed_dim"], layers=d["num_layers"],
                                   heads=d["num_heads"], kv_heads=d["num_kv_heads"],

@@ -30,7 +30,8 @@ class AttentionKernel:
 
     def graph_op(self):
         """The opaque op a region kernel runs, eagerly and in compiled graphs (registered by
-        region_ops.py and flash_regions.py, which the package imports)."""
+        region_ops.py and flash_regions.py, which op.py imports: a caller imports op.py first;
+        no import here, which a compiled caller would trace)."""
         if self.op_name is None:
             raise ValueError(f"attention_backend={self.name!r} is a flex kernel, not an op")
         return getattr(torch.ops.dualkv, self.op_name)

@@ -19,8 +19,9 @@ from torchtune.modules import (
 )
 
 from .presets import preset
+from .qwen3_sizes import QWEN3_SIZES, QWEN3_VOCAB
 
-__all__ = ["QWEN3_SIZES", "Qwen3Attention", "qwen3", "qwen3_tiny", "qwen3_0_6b", "qwen3_1_7b",
+__all__ = ["Qwen3Attention", "qwen3", "qwen3_tiny", "qwen3_0_6b", "qwen3_1_7b",
            "qwen3_4b", "qwen3_8b"]
 
 
@@ -91,20 +92,6 @@ def qwen3(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=init_std)
     return model
-
-
-# transformers' published Qwen3 shapes; the single source for the builders and the CLI
-QWEN3_SIZES = {
-    "0.6b": dict(num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=1024,
-                 intermediate_dim=3072, head_dim=128, tie_word_embeddings=True),
-    "1.7b": dict(num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=2048,
-                 intermediate_dim=6144, head_dim=128, tie_word_embeddings=True),
-    "4b": dict(num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=2560,
-               intermediate_dim=9728, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=4096,
-               intermediate_dim=12288, head_dim=128, tie_word_embeddings=False),
-}
-QWEN3_VOCAB = 151936
 
 
 qwen3_tiny = preset(qwen3, "qwen3_tiny", "A 2-layer Qwen3 of 64 dims (tied embeddings), for "

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dualkv_compile as dk
+import dualkv_compile.attention.op  # noqa: F401  (registers the region ops)
 from dualkv_compile.attention.registry import FLEX_KERNELS, KERNELS, attention_kernel
 from dualkv_compile.reference import reference_shared_prefix_attention
 from dualkv_compile.testing import make_batch, tiny_model

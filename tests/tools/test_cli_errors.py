@@ -243,6 +243,30 @@ def test_a_closed_pipe_or_an_interrupt_ends_quietly(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "dualkv plan: interrupted"
 
 
+def test_an_interrupt_while_the_command_starts_ends_quietly(monkeypatch, capsys):
+    # Ctrl-C during start-up (building the parser imports torch) is no traceback either
+    from dualkv_compile.tools import cli
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", stopped)
+    assert main(["plan"]) == 130
+    assert capsys.readouterr().err.strip() == "dualkv: interrupted"
+
+
+def test_the_command_module_imports_neither_torch_nor_the_models():
+    # `dualkv --help` used to take 4-8 s importing the whole package at start-up
+    import subprocess
+    import sys
+
+    script = ("import sys, dualkv_compile.tools.cli\n"
+              "print(sorted(m for m in ('torch', 'torchtune', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_bench_ab_prepare_refuses_a_file_and_replaces_an_earlier_prepare(tmp_path, capsys):
     import subprocess
 
