@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from fractions import Fraction
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -47,19 +48,33 @@ class MathJSONLTask(SeededTask):
         self.rows = []
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
-                row = json.loads(line)
-                if "question" not in row or "answer" not in row:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n} is not JSON: {e}") from None
+                if not isinstance(row, dict) or "question" not in row or "answer" not in row:
                     raise ValueError(f"{path}:{n} needs 'question' and 'answer' fields")
                 self.rows.append(row)
         if not self.rows:
             raise ValueError(f"dataset {path} is empty")
         self.tokenizer, self.template = tokenizer, prompt_template
 
+    @cached_property
+    def _prompts(self) -> list[list[int]]:
+        """Every row's prompt ids, encoded once (on first use)."""
+        return [self.tokenizer.encode(self.template.format(question=row["question"]))
+                for row in self.rows]
+
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt in tokens: the recipe checks it plus max_generated_tokens against
+        the model's context before the first step."""
+        return max(len(p) for p in self._prompts)
+
     def sample_prompts(self, n: int) -> tuple[Tensor, list[str]]:
         """n prompts, left-padded with the tokenizer's pad id to one length, and their answers."""
         idx = torch.randint(0, len(self.rows), (n,), generator=self.generator).tolist()
-        encoded = [self.tokenizer.encode(self.template.format(question=self.rows[i]["question"]))
-                   for i in idx]
+        encoded = [self._prompts[i] for i in idx]
         width = max(len(e) for e in encoded)
         tokens = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
         for row, e in enumerate(encoded):

@@ -103,6 +103,33 @@ def test_math_reward_and_padding(checkpoint):
     assert final_number("a 1,200.0 b") == "1200" and final_number("none") is None
 
 
+def test_the_longest_prompt_is_checked_against_the_context_before_the_first_step(
+        tmp_path, checkpoint):
+    from dualkv_compile.rl.recipe_config import ConfigError
+
+    folder, data = checkpoint
+    cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_1_7b_grpo.yaml")
+    tok, template = HFTokenizer(str(folder)), cfg.task.prompt_template
+    longest = max(len(tok.encode(template.format(question=f"what is {a}+{b}?")))
+                  for a in range(3) for b in range(3))
+    assert MathJSONLTask(tok, path=str(data), prompt_template=template).max_prompt_len == longest
+    for key, value in {"checkpoint_dir": str(folder), "task.path": str(data), "device": "cpu",
+                       "dtype": "fp32", "output_dir": str(tmp_path / "run"),
+                       "max_generated_tokens": 512 - longest + 1}.items():  # context: 512
+        OmegaConf.update(cfg, key, value)
+    with pytest.raises(ConfigError, match=f"with prompts of up to {longest} tokens it exceeds "
+                                          f"the model's context of 512"):
+        load_recipe().GRPORecipe(cfg).setup()
+
+
+def test_a_dataset_line_that_is_not_json_is_named(tmp_path, checkpoint):
+    folder, _ = checkpoint
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", answer: 4}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not JSON"):
+        MathJSONLTask(HFTokenizer(str(folder)), path=str(data))
+
+
 @pytest.mark.parametrize("text,value", [
     ("The answer is .5", "1/2"), ("x = -.5", "-1/2"), ("Answer: \u22127", "-7"),
     ("The point is (1,5)", "5"), ("3/4", "3/4"), ("0.75", "3/4"), ("It is 10.00", "10"),
