@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..arguments import integer_arg
 from ..rollout import RolloutEngine, plan_calls, prompt_mask_of
-from ..rollout.sampling import stop_mask
+from ..rollout.sampling import stop_ids, stop_mask
 from ..rollout.weights import gathered_weights
 
 __all__ = ["rollout_batch", "truncated_responses"]
@@ -24,17 +25,22 @@ __all__ = ["rollout_batch", "truncated_responses"]
 
 @torch.no_grad()
 def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pad_id: int,
-                  max_generated_tokens: int, stop_tokens: Sequence[int] = (),
-                  rows_per_call: int | None = None, **sampling) -> tuple[Tensor, Tensor, Tensor]:
+                  max_generated_tokens: int, stop_tokens: int | Sequence[int] | None = None,
+                  rows_per_call: int | None = None, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None,
+                  rng: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                  return_logprobs: bool = False) -> tuple[Tensor, ...]:
     """prompts [G, P] (padded with pad_id) -> (tokens [G * group_size, P + T], padding mask of the
-    same shape, response lengths [G * group_size] with the stop token counted), rows group-major.
+    same shape, response lengths [G * group_size] with the stop token counted), rows group-major;
+    with return_logprobs, also each sampled token's logprob [G * group_size, T] (0 after a stop).
 
     A response is valid up to and including its first stop token; tokens outside the mask
-    are pad_id. The calls are `plan_calls(G, group_size, rows_per_call)`; `sampling` goes to each
-    `engine.generate` (temperature, top_k, top_p, rng, dtype). Under FSDP2 the weights are
-    gathered once for all calls, and a rank with G = 0 (no rows this round) still joins that
-    gathering, returning empty tensors."""
-    stops = tuple(stop_tokens)
+    are pad_id. stop_tokens: an id, several, or none (None or empty, as a tokenizer's
+    `stop_tokens` may be). The calls are `plan_calls(G, group_size, rows_per_call)`; the
+    sampling settings go to each `engine.generate`. Under FSDP2 the weights are gathered once for all calls, and a rank with
+    G = 0 (no rows this round) still joins that gathering, returning empty tensors."""
+    stops = _stop_ids(stop_tokens, engine.decoder.vocab_size)
+    group_size = integer_arg("group_size", group_size, 1)
     # the prompt is what the engine samples from: pad_id only in leading and trailing runs
     prompt_mask = prompt_mask_of(prompts, pad_id)
     if len(prompts):  # named by the caller's row here: each call's engine names its own rows
@@ -45,25 +51,37 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
     with gathered_weights(engine.model):
         parts = [engine.generate(prompts[first:first + count], group_size=n, pad_id=pad_id,
                                  max_generated_tokens=max_generated_tokens,
-                                 stop_tokens=stops or None, **sampling)
+                                 stop_tokens=stops or None, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, rng=rng, dtype=dtype,
+                                 return_logprobs=True)
                  for first, count, n in calls]
     width = prompts.shape[1] + max_generated_tokens
     if not parts:
         empty = prompts.new_zeros(0, width)
-        return empty, empty.bool(), prompts.new_zeros(0)
-    response = torch.cat(parts)
+        none = (empty, empty.bool(), prompts.new_zeros(0))
+        return (*none, empty.float()[:, :max_generated_tokens]) if return_logprobs else none
+    response = torch.cat([tokens for tokens, _ in parts])
     batch = prompts.repeat_interleave(group_size, 0)
     is_stop = stop_mask(response, stops)
     before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0  # up to and with the first stop
     mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), before_stop], 1)
     tokens = torch.where(mask, torch.cat([batch, response], 1), pad_id)
+    if return_logprobs:
+        return tokens, mask, before_stop.sum(1), torch.cat([lp for _, lp in parts])
     return tokens, mask, before_stop.sum(1)
 
 
 def truncated_responses(tokens: Tensor, mask: Tensor, *, prompt_len: int,
-                        stop_tokens: Sequence[int]) -> Tensor:
+                        stop_tokens: int | Sequence[int] | None) -> Tensor:
     """tokens, mask [B, P + T] as rollout_batch returns them -> bool [B]: the response ends
     without a stop token, cut at max_generated_tokens (with no stop tokens, every response).
-    DAPO's overlong filtering keeps these out of the loss."""
+    DAPO's overlong filtering keeps these out of the loss. stop_tokens as rollout_batch's."""
     response = tokens[:, prompt_len:]
-    return ~(stop_mask(response, tuple(stop_tokens)) & mask[:, prompt_len:]).any(1)
+    return ~(stop_mask(response, _stop_ids(stop_tokens)) & mask[:, prompt_len:]).any(1)
+
+
+def _stop_ids(stop_tokens, vocab: int | None = None) -> tuple[int, ...]:
+    """stop_ids, where an empty list or tuple (a tokenizer without stop tokens) is none too."""
+    if isinstance(stop_tokens, (list, tuple)) and not stop_tokens:
+        return ()
+    return stop_ids(stop_tokens, vocab)

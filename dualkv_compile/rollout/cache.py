@@ -59,15 +59,18 @@ class RolloutCache:
     step: Tensor                # [] int64: its response index
     done: Tensor                # [rows] bool: the row has produced the stop token
     out: Tensor                 # [rows, T] int64: the sampled tokens
-    logprobs: Tensor            # [rows, T] float32: their logprobs (temperature, no top-k/p)
+    logprobs: Tensor            # [rows, T] logits_dtype: their logprobs (temperature, no top-k/p)
     noise: Tensor               # [rows, vocab] float32: Exp(1) draws of the current step
 
     @classmethod
     def allocate(cls, *, layers: int, groups: int, rows: int, prompt_capacity: int,
                  response_capacity: int, kv_heads: int, head_dim: int, vocab: int,
                  dtype: torch.dtype, device: torch.device,
+                 logits_dtype: torch.dtype = torch.float32,
                  splits: int | None = None) -> RolloutCache:
-        """splits: the prompt's S (default `prompt_splits`; the Triton kernels take 1)."""
+        """dtype: the K/V's; logits_dtype: the logprobs' (float32, float64 for a float64
+        model); the noise is float32, as torchtune's generate draws it. splits: the prompt's S (default
+        `prompt_splits`; the Triton kernels take 1)."""
         def kv(*lead, length):
             # zeros, not empty: masked keys still meet a 0 weight in p @ v, and 0 * NaN = NaN
             return [torch.zeros(*lead, kv_heads, length, head_dim, dtype=dtype, device=device)
@@ -85,7 +88,7 @@ class RolloutCache:
                    step=torch.zeros((), **long),
                    done=torch.zeros(rows, dtype=torch.bool, device=device),
                    out=torch.zeros(rows, response_capacity, **long),
-                   logprobs=torch.zeros(rows, response_capacity, dtype=torch.float32,
+                   logprobs=torch.zeros(rows, response_capacity, dtype=logits_dtype,
                                         device=device),
                    noise=torch.ones(rows, vocab, dtype=torch.float32, device=device))
 

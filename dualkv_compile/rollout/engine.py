@@ -17,8 +17,9 @@ Compiles: one per (rows, groups, prompt capacity bucket, T, dtype, sampling sett
 are captured per chunk length and generator, and again when the weights move to new storage.
 The engine holds a workspace (cache, compiled step, graphs) for each of its last
 `max_workspaces` call shapes. A call of a held shape whose prompts fit the held prompt capacity
-with at most 2x padding reuses it: the capacity only grows, so the calls of a ragged batch,
-whose prompt buckets vary, do not rebuild it each time.
+with at most 2x padding reuses it, so the calls of a ragged batch, whose prompt buckets vary,
+do not rebuild it each time; a longer prompt grows the capacity, and only prompts needing less
+than half of it shrink it (a rebuild, and on CUDA a new capture).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..arguments import integer_arg
 from ..recompiles import bounded_recompiles
 from ..stats import counters, log_once
 from . import kernels
@@ -40,7 +42,6 @@ from .cache import RolloutCache, prompt_bucket
 from .forward import decoder_for
 from .graphs import StepGraph, warm_up, weights_fingerprint
 from .prompts import checked_prompts
-from ..arguments import integer_arg
 from .sampling import SamplingParams, draw_noise, sample, stop_ids, stop_mask
 from .step import make_decode_step, prefill
 from .weights import gathered_weights
@@ -68,6 +69,7 @@ class _Key(NamedTuple):
     implementation: str
     device: torch.device
     vocab: int
+    logits_dtype: torch.dtype  # of the logprobs: the model's logits' (decoder.logits_dtype)
 
 
 @dataclass(eq=False)
@@ -111,7 +113,7 @@ class RolloutEngine:
         self.steps_per_graph = steps_per_graph
         self.share_prompt = share_prompt
         # calls, decode_steps, workspaces (caches allocated), compiled_functions, captures,
-        # graph_fallbacks
+        # graph_fallbacks, model_reads (the model's modules replaced since the last call)
         self.stats = Counter()
         self._steps: dict[_Key, object] = {}  # compiled decode steps, per key
         # held workspaces by call shape (their key with capacity 0), least recently used first
@@ -133,12 +135,14 @@ class RolloutEngine:
         [G, P] bool: True at the prompt's tokens, taken in order (default: prompt_mask_of, i.e.
         leading and trailing pad_id stripped; the tokens under False are not read)."""
         sampling = SamplingParams(temperature, top_k, top_p)
+        self._read_model_again_if_changed()
         vocab = self.decoder.vocab_size
         stops = stop_ids(stop_tokens, vocab)
         group_size = integer_arg("group_size", group_size, 1)
         max_generated_tokens = integer_arg("max_generated_tokens", max_generated_tokens, 1)
         pad_id = integer_arg("pad_id", pad_id, 0, vocab)  # the fill of finished rows: a token
-        dtype = dtype if dtype is not None else next(self.model.parameters()).dtype
+        weights = next(self.model.parameters()).dtype
+        dtype = dtype if dtype is not None else weights
         if dtype not in _CACHE_DTYPES:
             raise ValueError(f"dtype={dtype!r} (the KV cache's; default the weights') must be one "
                              f"of {_CACHE_DTYPES}")
@@ -161,7 +165,7 @@ class RolloutEngine:
             bucket, compact.shape[1])), value=pad_id)
         key = self._held_capacity(_Key(rows, groups if self.share_prompt else rows, bucket, t,
                                        dtype, sampling, pad_id, stops, implementation, device,
-                                       vocab))
+                                       vocab, self.decoder.logits_dtype(weights)))
         with gathered_weights(self.model):
             ws = self._workspace_for(key, on_cuda, compiled)
             # graphs are captured before the cache is filled (a capture warms up on it first);
@@ -218,6 +222,18 @@ class RolloutEngine:
         return next(reversed(self._held.values()), None)
 
     # ---- checks ------------------------------------------------------------------------------
+    def _read_model_again_if_changed(self) -> None:
+        """A layer (or the embedding, norm or LM head) replaced, added or removed since the
+        engine read the model: check the model again and drop what was built on the old
+        modules (the compiled steps and the workspaces, whose graphs call them)."""
+        if self.decoder.changed():
+            self.decoder = decoder_for(self.model)
+            self._steps.clear()
+            self._held.clear()
+            self.stats["model_reads"] += 1
+            log.info("rollout engine: the model's modules changed since the last call; "
+                     "read again (a new compile and capture)")
+
     def _implementation(self, device: torch.device, dtype: torch.dtype) -> str:
         """The decode attention to run: the engine's `attention`, or for "auto" the Triton
         kernels on CUDA (flex where they cannot run, logged once with the reason), else math."""
@@ -260,7 +276,7 @@ class RolloutEngine:
                 layers=len(dec.layers), groups=key.groups, rows=key.rows,
                 prompt_capacity=key.capacity, response_capacity=key.t,
                 kv_heads=dec.num_kv_heads, head_dim=dec.head_dim, vocab=key.vocab,
-                dtype=key.dtype, device=key.device,
+                dtype=key.dtype, logits_dtype=key.logits_dtype, device=key.device,
                 splits=1 if key.implementation == "triton" else None)
             self.stats["workspaces"] += 1
             ws = _Workspace(key, cache, self._step_fn(key, compiled))

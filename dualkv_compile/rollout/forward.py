@@ -4,7 +4,9 @@ The engine does not call the model's forward (that would bring its KV cache, its
 its mask handling); it runs the same modules in the same order: attention norm, q/k/v
 projections, QK-norm and RoPE in the family's order, attention (the engine's), output
 projection and residual, MLP norm, MLP and residual, final norm, LM head. Every weight is the
-model's own parameter, read at call time, so training updates are seen without a copy.
+model's own parameter, read at call time, so training updates are seen without a copy. The
+layer modules are listed once; `changed()` tells the engine that one was replaced, added or
+removed since, and the engine then reads the model again.
 
 Supported: torchtune `TransformerDecoder`s of `TransformerSelfAttentionLayer`s with
 `MultiHeadAttention` (qwen2, llama3 builders) or our `Qwen3Attention`; transformers'
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from torch import Tensor, nn
 
 from ..adapters import hf_decoder, token_vocabulary, torchtune_head_weight
 from ..hf_config import rope_types, sliding_window
+from ..numerics import accumulation_dtype
 
 __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
 
@@ -47,7 +51,19 @@ def _project(dec, h: Tensor, q_proj, k_proj, v_proj) -> tuple[Tensor, Tensor, Te
             v_proj(h).view(b, s, dec.num_kv_heads, dec.head_dim))
 
 
-class _TorchtuneDecoder:
+class _Modules:
+    """The modules a decoder view was built from, to tell when the model's were replaced."""
+
+    def _listed(self) -> tuple:
+        raise NotImplementedError
+
+    def changed(self) -> bool:
+        now = self._listed()
+        return len(now) != len(self._built_from) or any(
+            a is not b for a, b in zip(now, self._built_from))
+
+
+class _TorchtuneDecoder(_Modules):
     """torchtune TransformerDecoder. MultiHeadAttention applies RoPE, then q/k norms (if any);
     Qwen3Attention normalises first, then RoPE (models/qwen3.py)."""
 
@@ -83,6 +99,11 @@ class _TorchtuneDecoder:
             raise _refuse(model, f"its layers mix attention classes {sorted(k.__name__ for k in kinds)}")
         self.norm_first = kinds == {Qwen3Attention}
         self.max_seq_len = model.max_seq_len
+        self._built_from = self._listed()
+
+    def _listed(self) -> tuple:
+        return (self.model.tok_embeddings, self.model.norm, self.model.output,
+                *self.model.layers)
 
     @property
     def vocab_size(self) -> int:
@@ -116,11 +137,14 @@ class _TorchtuneDecoder:
         h = x + _unwrap(layer.attn).output_proj(attended)
         return h + layer.mlp(layer.mlp_norm(h))
 
+    def logits_dtype(self, weights: torch.dtype) -> torch.dtype:
+        return torch.float32  # as TransformerDecoder's forward casts them
+
     def logits(self, h: Tensor) -> Tensor:
         return self.model.output(self.model.norm(h)).float()
 
 
-class _HFDecoder:
+class _HFDecoder(_Modules):
     """transformers Qwen3 / Qwen2 / Llama: q/k norms (Qwen3) before RoPE, cos/sin from the
     model's rotary embedding, the modeling module's own apply_rotary_pos_emb."""
 
@@ -150,6 +174,12 @@ class _HFDecoder:
         self.qk_norm = hasattr(attn, "q_norm")
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.max_seq_len = cfg.max_position_embeddings
+        self._built_from = self._listed()
+
+    def _listed(self) -> tuple:
+        base = hf_decoder(self.model)
+        return (base, base.embed_tokens, base.norm, base.rotary_emb, self.model.lm_head,
+                *base.layers)
 
     @property
     def vocab_size(self) -> int:
@@ -178,8 +208,12 @@ class _HFDecoder:
         h = x + layer.self_attn.o_proj(attended)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
+    def logits_dtype(self, weights: torch.dtype) -> torch.dtype:
+        # transformers returns the model's dtype: float64 stays float64 (the exact CPU checks)
+        return accumulation_dtype(weights)
+
     def logits(self, h: Tensor) -> Tensor:
-        return self.model.lm_head(self.base.norm(h)).float()
+        return self.model.lm_head(self.base.norm(h)).to(accumulation_dtype(h.dtype))
 
 
 def decoder_for(model: nn.Module):

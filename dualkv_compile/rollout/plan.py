@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..arguments import integer_arg
 from .engine import RolloutEngine
 
 __all__ = ["generate_groups", "plan_calls"]
@@ -34,10 +35,11 @@ def plan_calls(num_groups: int, group_size: int,
     the call) each, whole groups per call, or one group's responses over several calls. The
     fewest calls, as equal as possible (larger first): calls of one shape reuse the engine's
     workspace (its cache and CUDA graphs), so 12 groups at 8 a call are 6 + 6, not 8 + 4."""
+    num_groups = integer_arg("num_groups", num_groups, 0)
+    group_size = integer_arg("group_size", group_size, 1)
     if rows_per_call is None:
         return [(0, num_groups, group_size)]
-    if rows_per_call < 1:
-        raise ValueError(f"rows_per_call={rows_per_call} must be at least 1 (or None)")
+    rows_per_call = integer_arg("rows_per_call", rows_per_call, 1)
     if rows_per_call >= group_size:
         calls, first = [], 0
         for count in _even_parts(num_groups, rows_per_call // group_size):

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..numerics import accumulation_dtype
 from .sampling import SamplingParams, sample, stop_ids, stop_mask
 
 __all__ = ["reference_generate"]
@@ -31,10 +32,11 @@ def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
         l = tokens.shape[1]
         causal = torch.ones(l, l, dtype=torch.bool, device=tokens.device).tril()
         mask = (causal & valid[:, None, :]) | torch.eye(l, dtype=torch.bool, device=tokens.device)
-        return model(tokens, mask=mask, input_pos=positions)[rows, last].float()
+        logits = model(tokens, mask=mask, input_pos=positions)[rows, last]
+        return logits.to(accumulation_dtype(logits.dtype))
     out = model(input_ids=tokens, attention_mask=valid.long(), position_ids=positions,
                 use_cache=False)
-    return out.logits[rows, last].float()
+    return out.logits[rows, last].to(accumulation_dtype(out.logits.dtype))
 
 
 @torch.no_grad()
@@ -57,7 +59,7 @@ def reference_generate(model, prompts: Tensor, *, group_size: int, max_generated
     done = torch.zeros(rows, dtype=torch.bool, device=prompts.device)
     for _ in range(max_generated_tokens):
         logits = _last_logits(model, tokens, valid)
-        noise = torch.empty_like(logits).exponential_(1, generator=rng)
+        noise = torch.empty_like(logits, dtype=torch.float32).exponential_(1, generator=rng)
         token = torch.where(done, pad_id, sample(logits, noise, params))
         out.append(token)
         if stops:

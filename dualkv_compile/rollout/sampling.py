@@ -55,7 +55,8 @@ def _real(value) -> float | None:
 
 
 def draw_noise(noise: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Fill noise [rows, vocab] (float32) with Exp(1) draws, in place."""
+    """Fill noise [rows, vocab] (float32, as torchtune's generate draws it, whatever the
+    logits' dtype) with Exp(1) draws, in place."""
     return noise.exponential_(1, generator=generator)
 
 
@@ -71,7 +72,8 @@ def _top_p(logits: Tensor, top_p: float) -> Tensor:
 
 
 def sample(logits: Tensor, noise: Tensor, params: SamplingParams) -> Tensor:
-    """logits [rows, vocab] (float32), noise [rows, vocab] ~ Exp(1) -> tokens [rows] (int64)."""
+    """logits [rows, vocab] (float32, float64 for a float64 model), noise [rows, vocab] ~ Exp(1)
+    -> tokens [rows] (int64)."""
     logits = logits / params.temperature
     if params.top_k is not None:
         v, _ = torch.topk(logits, min(params.top_k, logits.size(-1)))

@@ -61,3 +61,32 @@ def test_an_empty_prompt_is_named_by_its_row_in_the_batch():
     with pytest.raises(ValueError, match=r"prompts \[3\] hold only pad_id=0"):
         rollout_batch(RolloutEngine(model()), prompts, group_size=2, pad_id=PAD,
                       max_generated_tokens=3, rows_per_call=4)  # calls of 2 groups each
+
+
+def test_stop_tokens_take_the_engines_forms_and_logprobs_are_joined():
+    # stop_tokens=1 or None raised TypeError ("not iterable"); return_logprobs=True raised from
+    # torch.cat over the engine's (tokens, logprobs) pairs
+    model_ = model()
+    prompts = torch.randint(2, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(group_size=4, pad_id=PAD, max_generated_tokens=8, rows_per_call=8)
+    run = lambda stop, **more: rollout_batch(  # noqa: E731
+        RolloutEngine(model_), prompts, stop_tokens=stop, rng=torch.Generator().manual_seed(3),
+        **kw, **more)
+    tokens, mask, lengths = run([EOS])
+    assert (lengths < 8).any()  # EOS does stop some rows
+    for same in (EOS, (EOS,), torch.tensor(EOS)):
+        assert all(torch.equal(a, b) for a, b in zip(run(same), (tokens, mask, lengths)))
+    for none in (None, ()):
+        assert run(none)[2].tolist() == [8] * 12
+    *joined, logprobs = run(EOS, return_logprobs=True)
+    assert all(torch.equal(a, b) for a, b in zip(joined, (tokens, mask, lengths)))
+    engine, gen = RolloutEngine(model_), torch.Generator().manual_seed(3)
+    by_hand = torch.cat([engine.generate(prompts[a:a + n], group_size=4, pad_id=PAD,
+                                         max_generated_tokens=8, stop_tokens=EOS, rng=gen,
+                                         return_logprobs=True)[1]
+                         for a, n, _ in plan_calls(3, 4, 8)])
+    assert logprobs.dtype == torch.float64 and torch.equal(logprobs, by_hand)
+    with pytest.raises(ValueError, match="stop_tokens=99 is not a token id"):
+        run(99)
+    with pytest.raises(TypeError, match="prompt_mask"):
+        run(EOS, prompt_mask=prompts != PAD)

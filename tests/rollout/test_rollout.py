@@ -83,3 +83,15 @@ def test_calls_hold_whole_groups_or_even_splits_of_one():
         assert sum(count * s for _, count, s in calls) == groups * n
     with pytest.raises(ValueError, match="rows_per_call=0"):
         plan_calls(2, 4, 0)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((2, 0, 8), "group_size=0 must be an integer >= 1"),
+    ((2, 4, 2.5), "rows_per_call=2.5 must be an integer >= 1"),
+    ((-1, 4, 8), "num_groups=-1 must be an integer >= 0"),
+    ((3, 4, True), "rows_per_call"),
+])
+def test_bad_plans_are_named(args, match):
+    # they raised ZeroDivisionError or TypeError, or returned [] (-2 groups) or took True as 1
+    with pytest.raises(ValueError, match=match):
+        plan_calls(*args)

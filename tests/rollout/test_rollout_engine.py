@@ -160,6 +160,28 @@ def test_weights_updated_in_place_are_seen():
     assert torch.equal(after, fresh) and not torch.equal(before, after)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "hf_llama"])
+def test_a_replaced_or_removed_layer_is_seen(family):
+    # the engine listed the layers once and kept sampling with the replaced one
+    model, prompts = model_of(family, seed=4), ragged_prompts(groups=2)
+    layers = model.layers if family == "qwen3" else model.model.layers
+    engine = RolloutEngine(model)
+    kw = dict(group_size=2, max_generated_tokens=6, pad_id=PAD)
+    engine.generate(prompts, **kw)
+    changed = model_of(family, seed=9)
+    layers[1] = (changed.layers if family == "qwen3" else changed.model.layers)[1]
+    ours = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(ours, reference_generate(model, prompts, rng=torch.Generator().manual_seed(0),
+                                                **kw))
+    del layers[1]
+    if family == "hf_llama":
+        model.config.num_hidden_layers = 1
+    ours = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(ours, reference_generate(model, prompts, rng=torch.Generator().manual_seed(0),
+                                                **kw))
+    assert engine.stats["model_reads"] == 2
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     hits = set()

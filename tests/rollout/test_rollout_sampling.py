@@ -7,7 +7,7 @@ import torch
 from dualkv_compile.models import qwen3
 from dualkv_compile.rollout import RolloutEngine
 from dualkv_compile.rollout.sampling import _top_p
-from dualkv_compile.testing import same_dtype_numerics
+from dualkv_compile.testing import same_dtype_numerics, tiny_model
 
 
 def test_top_p_stops_at_the_set_that_reaches_top_p_exactly():
@@ -39,5 +39,26 @@ def test_engine_logprobs_equal_a_full_forward_at_the_temperature():
     with torch.no_grad():
         logits = model(batch)[:, p - 1:p - 1 + t].double()
     want = (logits / temperature).log_softmax(-1).gather(2, tokens[..., None])[..., 0]
-    assert lp.dtype == torch.float32  # the engine keeps logprobs in float32
+    # torchtune's TransformerDecoder returns float32 logits, and the engine samples what it returns
+    assert lp.dtype == torch.float32
     assert (lp.double() - want).abs().max() < 1e-6  # float32 rounding of values up to ~6
+
+
+def test_a_transformers_float64_models_logprobs_are_float64():
+    # they were computed from float32 logits: 4.5e-7 from its float64 forward at temperature 1
+    model = tiny_model("hf_qwen3", vocab=61, seed=2, max_seq_len=128)
+    model = same_dtype_numerics(model.to(torch.float64).eval())
+    prompts = torch.randint(2, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    prompts[1, :4] = 0  # left padding
+    tokens, lp = RolloutEngine(model).generate(prompts, group_size=2, max_generated_tokens=5,
+                                               pad_id=0, temperature=0.7, return_logprobs=True,
+                                               rng=torch.Generator().manual_seed(0))
+    rows = prompts.repeat_interleave(2, 0)
+    valid = torch.cat([rows != 0, torch.ones_like(tokens, dtype=torch.bool)], 1)
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([rows, tokens], 1), attention_mask=valid.long(),
+                       position_ids=positions).logits
+    want = (logits[:, 11:-1] / 0.7).log_softmax(-1).gather(2, tokens[..., None])[..., 0]
+    assert lp.dtype == torch.float64
+    assert (lp - want).abs().max() < 1e-10
