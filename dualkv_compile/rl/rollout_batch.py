@@ -37,8 +37,9 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
     A response is valid up to and including its first stop token; tokens outside the mask
     are pad_id. stop_tokens: an id, several, or none (None or empty, as a tokenizer's
     `stop_tokens` may be). The calls are `plan_calls(G, group_size, rows_per_call)`; the
-    sampling settings go to each `engine.generate`. Under FSDP2 the weights are gathered once for all calls, and a rank with
-    G = 0 (no rows this round) still joins that gathering, returning empty tensors."""
+    sampling settings go to each `engine.generate`. Under FSDP2 the weights are gathered once
+    for all calls, and a rank with G = 0 (no rows this round) still joins that gathering,
+    returning empty tensors."""
     stops = _stop_ids(stop_tokens, engine.decoder.vocab_size)
     group_size = integer_arg("group_size", group_size, 1)
     # the prompt is what the engine samples from: pad_id only in leading and trailing runs

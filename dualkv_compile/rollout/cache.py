@@ -69,8 +69,8 @@ class RolloutCache:
                  logits_dtype: torch.dtype = torch.float32,
                  splits: int | None = None) -> RolloutCache:
         """dtype: the K/V's; logits_dtype: the logprobs' (float32, float64 for a float64
-        model); the noise is float32, as torchtune's generate draws it. splits: the prompt's S (default
-        `prompt_splits`; the Triton kernels take 1)."""
+        model); the noise is float32, as torchtune's generate draws it. splits: the prompt's S
+        (default `prompt_splits`; the Triton kernels take 1)."""
         def kv(*lead, length):
             # zeros, not empty: masked keys still meet a 0 weight in p @ v, and 0 * NaN = NaN
             return [torch.zeros(*lead, kv_heads, length, head_dim, dtype=dtype, device=device)
