@@ -21,6 +21,7 @@ optimize() drives the FSDP hooks layer by layer (compile_region "auto" -> "layer
 from __future__ import annotations
 
 import gc
+import json
 import resource
 import sys
 import time
@@ -38,7 +39,7 @@ from dualkv_compile.rl.metric_log import open_metric_logger
 from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
-from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal,
+from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal, check_resume_model,
                                          apply_config_changes, prepare_output_dir,
                                          write_checkpoint)
 from dualkv_compile.rl.rollout_batch import rollout_batch, truncated_responses
@@ -66,23 +67,34 @@ class GRPORecipe:
         self.history: list[dict] = []  # the logged metrics, for tests
         self.step = 0
         self.saved_step: int | None = None  # the step of the last checkpoint written
-        self.run_lock: RunLock | None = None  # rank 0's, from setup() to cleanup()
+        self.run_locks: list[RunLock] = []  # rank 0's, from setup() to cleanup()
         self.stopped_by: int | None = None  # the signal that ended the run early
+        self.updates_taken = 0  # optimizer steps taken in the current step
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self):
-        # before any work: output_dir serves one live run (rank 0 holds its lock until cleanup()
-        # or the end of the process; a setup that fails lets it go)
-        self.run_lock = RunLock(self.output_dir) if self.rank == 0 else None
+        # before any work: output_dir, and a checkpointer's output_dir outside it, serve one live
+        # run (rank 0 holds their locks until cleanup() or the end of the process; a setup that
+        # fails lets them go)
         try:
+            if self.rank == 0:
+                self.run_locks.append(RunLock(self.output_dir))
+                for folder in self._weight_dirs():
+                    if not folder.resolve().is_relative_to(self.output_dir.resolve()):
+                        self.run_locks.append(RunLock(folder, key="checkpointer.output_dir"))
             self._setup()
         except BaseException:
             self._release_lock(failed_setup=True)
             raise
 
     def _release_lock(self, failed_setup: bool = False):
-        if self.run_lock is not None:
-            self.run_lock.release(failed_setup=failed_setup)
+        for lock in reversed(self.run_locks):
+            lock.release(failed_setup=failed_setup)
+        self.run_locks = []
+
+    def _weight_dirs(self) -> list[Path]:
+        """Where the checkpointer writes the trained weights (its epoch_* folders), if any."""
+        return [Path(d) for d in [(self.cfg.get("checkpointer") or {}).get("output_dir")] if d]
 
     def _setup(self):
         cfg = self.cfg
@@ -93,7 +105,7 @@ class GRPORecipe:
             self._checkpoint_path(), resume=bool(cfg.resume_from_checkpoint),
             overwrite=bool(cfg.get("overwrite_output_dir", False)), num_steps=cfg.num_steps,
             world_size=self.world_size, config=self.plain_cfg, rank=self.rank,
-            weight_dirs=[Path(d) for d in [(cfg.get("checkpointer") or {}).get("output_dir")] if d],
+            weight_dirs=self._weight_dirs(),
             log_dir=(cfg.get("metric_logger") or {}).get("log_dir"))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = instantiate_checked("tokenizer", cfg.tokenizer)
@@ -107,9 +119,12 @@ class GRPORecipe:
         # starting weights and writes the trained ones in the source format
         self.checkpointer = (instantiate_checked("checkpointer", cfg.checkpointer)
                              if cfg.get("checkpointer") else None)
+        self.model_config = None  # the transformers config.json a checkpointer built it from
         if self.checkpointer is not None:
             weights = instantiate_checked("checkpointer", self.checkpointer.load_checkpoint)
             self.model.load_state_dict(weights["model"], strict=True)
+            source = Path(self.checkpointer.checkpoint_dir) / "config.json"
+            self.model_config = json.loads(source.read_text()) if source.is_file() else None
         self.model.to(device=self.device, dtype=self.dtype)
         self.ref_model = ddp.reference_copy(self.model)  # shaped like the policy: shared compiles
         if cfg.get("enable_activation_checkpointing", False):
@@ -157,25 +172,38 @@ class GRPORecipe:
     def _checkpoint_path(self) -> Path:
         return self.output_dir / "checkpoint.pt"
 
-    def save_checkpoint(self):
-        """Full (unsharded) states, written by rank 0; every rank's sampling RNG."""
+    def _random_states(self) -> tuple:
+        """What a checkpoint restores besides the weights: this rank's sampling and torch RNG
+        states and the task's prompt order."""
+        return self.rng.get_state(), torch.get_rng_state(), self.task.state_dict()
+
+    def save_checkpoint(self, random_states: tuple | None = None):
+        """Full (unsharded) states, written by rank 0; every rank's sampling RNG. random_states:
+        those of the start of a step that failed (default: the current ones)."""
+        rng, torch_rng, task = random_states or self._random_states()
         model, optimizer = ddp.full_state_dicts(self.model, self.optimizer)
         ref, _ = ddp.full_state_dicts(self.ref_model, None)
-        rngs = ddp.gather_objects((self.rng.get_state(), torch.get_rng_state()))
+        rngs = ddp.gather_objects((rng, torch_rng))
         self.saved_step = self.step  # on every rank: they decide alike whether to save again
         if self.rank != 0:
             return
-        write_checkpoint(self._checkpoint_path(), {
-            "model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
-            "task": self.task.state_dict(), "rngs": rngs, "config": self.plain_cfg})
+        # the trained weights first: a crash (or a full disk) between the two writes leaves the
+        # previous checkpoint.pt, so a resumed run trains this step again and writes both; the
+        # other order left a checkpoint at this step whose weights no epoch_* folder held
         if self.checkpointer is not None:
             try:
                 self.checkpointer.save_checkpoint({"model": model}, epoch=self.step)
             except OSError as e:  # a full disk (durable.write_failed says so)
                 raise RunFailed(f"step {self.step}: {e}") from e
+        write_checkpoint(self._checkpoint_path(), {
+            "model": model, "ref_model": ref, "optimizer": optimizer, "step": self.step,
+            "task": task, "rngs": rngs, "config": self.plain_cfg,
+            "model_config": self.model_config})
 
     def _load_checkpoint(self):
         state, self.resume_state = self.resume_state, None  # read and checked in setup()
+        check_resume_model(self._checkpoint_path(), state, ddp.weight_shapes(self.model),
+                           self.model_config)
         ddp.load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
         apply_config_changes(self.optimizer, self.config_changes, step=state["step"],
                              announce=self.rank == 0)
@@ -270,6 +298,7 @@ class GRPORecipe:
                 micro_batch_groups=cfg.micro_batch_groups, max_grad_norm=cfg.max_grad_norm,
                 max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and hi > lo),
                 loss_mask=loss_mask[rows])
+            self.updates_taken += 1
             sums = [a + b / updates for a, b in zip(sums, stats)]
         loss_sum, kl_sum, clip_sum, grad_norm = sums
         t_end = time.perf_counter()
@@ -325,16 +354,16 @@ class GRPORecipe:
         bar = tqdm(range(start, self.cfg.num_steps), initial=start, total=self.cfg.num_steps,
                    desc="grpo", file=sys.stdout, dynamic_ncols=True, disable=self.rank != 0)
         for _ in bar:
+            before = self._random_states()
+            self.updates_taken = 0  # optimizer steps of this step so far
             try:
                 metrics = self.train_step()
             except NonFiniteGradient as e:
-                raise RunFailed(f"step {self.step + 1}: {e}; nothing was saved from it, so "
-                                f"{self._checkpoint_path()}, if any, is the last good "
-                                "checkpoint") from e
+                raise RunFailed(f"step {self.step + 1}: {e}; {self._save_before(before)}") from e
             self.step += 1
             self.history.append({"step": self.step, **metrics})
             if self.metric_logger is not None:
-                self.metric_logger.log_dict(metrics, step=self.step)
+                self._log_metrics(metrics)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
@@ -350,6 +379,33 @@ class GRPORecipe:
                     print(f"stopped by signal {stop.signum} after step {self.step}; "
                           f"checkpoint in {self._checkpoint_path()}", flush=True)
                 return
+
+    def _log_metrics(self, metrics: dict) -> None:
+        """A metric log that cannot be written (a full disk) ends the logging, said once, not
+        the run: its steps are trained and checkpointed as configured."""
+        try:
+            self.metric_logger.log_dict(metrics, step=self.step)
+        except OSError as e:
+            print(f"warning: step {self.step}: the metric log could not be written ({e}); "
+                  "no more metrics are logged, training goes on", file=sys.stderr, flush=True)
+            logger, self.metric_logger = self.metric_logger, None
+            try:
+                logger.close()
+            except OSError:
+                pass
+
+    def _save_before(self, random_states: tuple) -> str:
+        """After a step failed before its first optimizer step: the weights are still the last
+        step's, so they are saved (unless they were), with the random states of the failed
+        step's start: a resumed run (with a lower lr, say) starts that step again."""
+        if self.updates_taken == 0 and self.saved_step != self.step:
+            self.save_checkpoint(random_states)
+            return (f"the weights of step {self.step} were saved in {self._checkpoint_path()} "
+                    "(resume_from_checkpoint=true starts the failed step again)")
+        if self.updates_taken == 0:
+            return f"{self._checkpoint_path()} holds step {self.step}, the last good one"
+        return (f"the step's first {self.updates_taken} update(s) had changed the weights, which "
+                f"were not saved; {self._checkpoint_path()}, if any, is the last good checkpoint")
 
     def cleanup(self, failed: bool = False):
         """failed: a RunFailed ended the run, on this rank perhaps alone (a save is rank 0's):
@@ -393,12 +449,18 @@ def recipe_main(cfg: DictConfig) -> None:
         return 128 + recipe.stopped_by  # the exit code of a process ended by that signal
     if recipe.rank != 0:
         return
-    first, last = recipe.history[:5], recipe.history[-5:]
-    mean = lambda rows: sum(r["reward"] for r in rows) / max(len(rows), 1)  # noqa: E731
     saved = (f"checkpoint of step {recipe.saved_step} in {recipe.output_dir}"
              if recipe.saved_step is not None else "no checkpoint written")
-    print(f"mean reward: first {len(first)} steps {mean(first):.3f}, "
-          f"last {len(last)} steps {mean(last):.3f}; {saved}")
+    # the steps by number: a resumed run's first steps are not the training's first
+    print(f"mean reward: {_mean_reward(recipe.history[:5])}, "
+          f"{_mean_reward(recipe.history[-5:])}; {saved}")
+
+
+def _mean_reward(rows: list[dict]) -> str:
+    if not rows:
+        return "no steps"
+    return (f"steps {rows[0]['step']}-{rows[-1]['step']} "
+            f"{sum(r['reward'] for r in rows) / len(rows):.3f}")
 
 
 if __name__ == "__main__":

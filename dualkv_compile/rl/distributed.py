@@ -15,7 +15,8 @@ from torch import nn
 from ..adapters import has_dropout, hf_decoder
 
 __all__ = ["init_distributed", "checkpoint_layers", "reference_copy", "shard_decoder", "world",
-           "all_sum", "all_max", "full_state_dicts", "load_full_state_dicts", "gather_objects"]
+           "all_sum", "all_max", "full_state_dicts", "load_full_state_dicts", "gather_objects",
+           "weight_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,14 @@ def full_state_dicts(model: nn.Module, optimizer) -> tuple[dict, dict | None]:
     optim_state = None if optimizer is None else get_optimizer_state_dict(model, optimizer,
                                                                           options=options)
     return model_state, optim_state
+
+
+def weight_shapes(model: nn.Module) -> dict[str, tuple]:
+    """{name: full shape} of the model's state, named as full_state_dicts names it (wrappers
+    stripped); no communication (a sharded tensor knows its full shape)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
 
 
 def load_full_state_dicts(model: nn.Module, optimizer, model_state: dict,

@@ -88,7 +88,7 @@ COMPONENT = Key("section")
 GRPO_SCHEMA: dict[str, Any] = {
     "output_dir": Key("str"),
     "checkpoint_dir": Key("str", required=False),  # referenced by ${checkpoint_dir} in configs
-    "seed": Key("int"),
+    "seed": Key("int", _in_range(-2**63, 2**64 - 1)),  # what torch.manual_seed takes
     "device": Key("str", _device),
     "dtype": Key("choice", choices=("fp32", "bf16", "fp64")),
     "num_steps": Key("int", _at_least(1)),
@@ -326,7 +326,8 @@ def instantiate_checked(section: str, target, *args, **kwargs):
         return config.instantiate(target, *args, **kwargs)
     except (FileNotFoundError, NotADirectoryError) as e:
         raise ConfigError([f"{section}: {e}"]) from None
-    except (TypeError, ValueError) as e:  # a value the component refuses (lr=abc, embed_dim=63)
+    # a value the component refuses (lr=abc, embed_dim=63, betas=[0.9]: IndexError)
+    except (TypeError, ValueError, IndexError) as e:
         raise ConfigError([f"{section}: {type(e).__name__}: {e}"]) from None
 
 

@@ -19,7 +19,8 @@ from ..durable import sync, sync_entry, write_failed
 from .recipe_config import ConfigError
 
 __all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "SEEDS", "RunFailed", "RunLock", "StopOnSignal",
-           "apply_config_changes", "check_output_dir", "check_resume_config", "config_changes",
+           "apply_config_changes", "check_output_dir", "check_resume_config",
+           "check_resume_model", "check_writable_dir", "config_changes",
            "load_checkpoint", "prepare_output_dir", "read_resume_checkpoint", "set_aside",
            "write_checkpoint"]
 
@@ -56,6 +57,19 @@ def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool,
         raise ConfigError([f"checkpointer.output_dir={dirs} holds an earlier run's trained "
                            f"weights ({', '.join(earlier)}), which this run would replace; use "
                            "another folder, or overwrite_output_dir=true to move them aside"])
+
+
+def check_writable_dir(key: str, path: Path) -> None:
+    """A folder the run will create or write in: a ConfigError before any work if it is a file,
+    lies under one, or its nearest existing folder cannot be written."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        raise ConfigError([f"{key}={str(path)!r} {where}; name a folder"])
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError([f"{key}={str(path)!r} cannot be written ({existing} is not writable)"])
 
 
 class RunFailed(RuntimeError):
@@ -96,7 +110,8 @@ class RunLock:
 
     NAME = "run.lock"
 
-    def __init__(self, output_dir: Path):
+    def __init__(self, output_dir: Path, key: str = "output_dir"):
+        """key: the config key that names the folder, for the errors."""
         import fcntl
 
         self._dir, self._created = output_dir, not output_dir.exists()
@@ -104,7 +119,7 @@ class RunLock:
             output_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(output_dir / self.NAME, "a+")
         except OSError as e:
-            raise ConfigError([f"output_dir={str(output_dir)!r} cannot be created or written "
+            raise ConfigError([f"{key}={str(output_dir)!r} cannot be created or written "
                                f"({e.strerror or e}: {e.filename or output_dir})"]) from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -112,14 +127,19 @@ class RunLock:
             self._file.seek(0)
             holder = self._file.read().strip() or "another process"
             self._file.close()
-            raise ConfigError([f"output_dir={str(output_dir)!r} is in use by another run "
-                               f"({holder}); wait for it to end or use another output_dir"]) \
+            raise ConfigError([f"{key}={str(output_dir)!r} is in use by another run "
+                               f"({holder}); wait for it to end or use another {key}"]) \
                 from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
-                         f"{datetime.now():%Y-%m-%d %H:%M:%S}\n")
-        self._file.flush()
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+                             f"{datetime.now():%Y-%m-%d %H:%M:%S}\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: the run could write nothing there either
+            self.release(failed_setup=True)
+            raise ConfigError([f"{key}={str(output_dir)!r} cannot be written "
+                               f"({e.strerror or e})"]) from None
 
     def release(self, *, failed_setup: bool = False) -> None:
         """Drop the lock; after a failed setup, also the output_dir this lock created if it
@@ -185,6 +205,35 @@ def check_resume_config(path: Path, changes: dict[str, tuple]) -> None:
                            "output_dir to change it)" for k in fixed])
 
 
+# config.json fields that say nothing about the architecture (an exported epoch_N names its dtype)
+_NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
+
+
+def check_resume_model(path: Path, state: dict, shapes: dict[str, tuple],
+                       model_config: dict | None) -> None:
+    """The model built for a resumed run must be the checkpoint's: the same weight names and
+    shapes, and, where it was built from a transformers config.json (`model_config`, kept in
+    the checkpoint), the same architecture fields. A ConfigError lists what differs; a changed
+    model.path or checkpoint_dir is a location, so only its contents are compared."""
+    problems = []
+    saved_config = state.get("model_config")
+    if saved_config is not None and model_config is not None:
+        keys = sorted((saved_config.keys() | model_config.keys()) - set(_NOT_ARCHITECTURE))
+        problems += [f"the model's config.json {k}: {saved_config.get(k)!r} when {path} was "
+                     f"written, {model_config.get(k)!r} now"
+                     for k in keys if saved_config.get(k) != model_config.get(k)]
+    saved = {k: tuple(v.shape) for k, v in state["model"].items()}
+    differ = [k for k in sorted(saved.keys() | shapes.keys()) if saved.get(k) != shapes.get(k)]
+    if differ:
+        shown = "; ".join(f"{k} {saved.get(k, 'absent')} -> {shapes.get(k, 'absent')}"
+                          for k in differ[:3])
+        problems.append(f"the model's weights differ from {path}'s in {len(differ)} tensor(s): "
+                        f"{shown}")
+    if problems:
+        raise ConfigError([*problems, "a resumed run must build the checkpoint's model (start a "
+                                      "new run in another output_dir to change it)"])
+
+
 def load_checkpoint(path: Path, *, num_steps: int) -> dict:
     """The recipe's checkpoint at `path`, or a ConfigError that names what is wrong with it
     (missing, unreadable, not this recipe's, already at num_steps). The file is never changed."""
@@ -231,6 +280,8 @@ def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_s
     would otherwise show the old run's steps beside its own) and says where."""
     check_output_dir(checkpoint, resume=resume, overwrite=overwrite,
                      weight_dirs=tuple(weight_dirs))
+    if log_dir:
+        check_writable_dir("metric_logger.log_dir", Path(log_dir))
     if resume:
         return read_resume_checkpoint(checkpoint, num_steps=num_steps, world_size=world_size,
                                       config=config)

@@ -31,9 +31,9 @@ def write_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def write_checkpoint(folder: Path, vocab: int) -> None:
+def write_checkpoint(folder: Path, vocab: int, intermediate_size: int = 64) -> None:
     torch.manual_seed(0)
-    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=intermediate_size,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
     tf.Qwen3ForCausalLM._from_config(cfg).save_pretrained(folder, safe_serialization=True)
@@ -120,6 +120,113 @@ def test_the_longest_prompt_is_checked_against_the_context_before_the_first_step
     with pytest.raises(ConfigError, match=f"with prompts of up to {longest} tokens it exceeds "
                                           f"the model's context of 512"):
         load_recipe().GRPORecipe(cfg).setup()
+
+
+def test_two_runs_may_not_share_a_checkpointer_output_dir(tmp_path, checkpoint):
+    # runs with their own output_dir but one checkpointer.output_dir both ran, and the later
+    # one's epoch_N folders replaced the other's trained weights
+    from dualkv_compile.rl.recipe_config import ConfigError
+
+    folder, data = checkpoint
+    recipes = []
+    for name in ("a", "b"):
+        cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_1_7b_grpo.yaml")
+        for key, value in {"checkpoint_dir": str(folder), "task.path": str(data),
+                           "device": "cpu", "dtype": "fp32", "output_dir": str(tmp_path / name),
+                           "max_generated_tokens": 6,
+                           "checkpointer.output_dir": str(tmp_path / "shared")}.items():
+            OmegaConf.update(cfg, key, value)
+        recipes.append(load_recipe().GRPORecipe(cfg))
+    recipes[0].setup()
+    try:
+        with pytest.raises(ConfigError, match=r"checkpointer.output_dir=.*shared' is in use by "
+                                              r"another run \(pid"):
+            recipes[1].setup()
+        assert not (tmp_path / "b").exists()  # the refused run left no folder
+    finally:
+        recipes[0].cleanup()
+    recipes[1].setup()  # free again
+    recipes[1].cleanup()
+
+
+def test_a_failed_weight_export_is_written_again_by_the_resumed_run(tmp_path, checkpoint):
+    # checkpoint.pt was written before the epoch_N folder: a crash or full disk between them
+    # left a checkpoint at step N whose trained weights no folder held, and no resume wrote them
+    from dualkv_compile.rl.run_guard import RunFailed
+
+    folder, data = checkpoint
+
+    def recipe(**more):
+        cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_1_7b_grpo.yaml")
+        for key, value in {"checkpoint_dir": str(folder), "task.path": str(data),
+                           "device": "cpu", "dtype": "fp32", "output_dir": str(tmp_path / "run"),
+                           "num_steps": 2, "save_every": 1, "groups_per_step": 2,
+                           "group_size": 2, "max_generated_tokens": 6, "micro_batch_groups": 1,
+                           **more}.items():
+            OmegaConf.update(cfg, key, value)
+        r = load_recipe().GRPORecipe(cfg)
+        r.setup()
+        return r
+
+    first = recipe()
+    export = first.checkpointer.save_checkpoint
+
+    def full_disk_at_step_2(state, epoch):
+        if epoch == 2:
+            raise OSError(28, "No space left on device")
+        return export(state, epoch)
+
+    first.checkpointer.save_checkpoint = full_disk_at_step_2
+    with pytest.raises(RunFailed, match="step 2: .*No space left"):
+        first.train()
+    first.cleanup(failed=True)
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 1
+    again = recipe(resume_from_checkpoint=True)
+    again.train()
+    again.cleanup()
+    assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["epoch_1", "epoch_2"]
+
+
+def test_a_resume_must_build_the_checkpoints_model(tmp_path, checkpoint):
+    # model.path and checkpoint_dir are locations: another model behind them resumed (same
+    # shapes: an architecture the weights were not trained under) or failed with a traceback
+    # (RuntimeError: size mismatch)
+    from dualkv_compile.rl.recipe_config import ConfigError
+
+    folder, data = checkpoint
+
+    def recipe(source, **more):
+        cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_1_7b_grpo.yaml")
+        for key, value in {"checkpoint_dir": str(source), "task.path": str(data),
+                           "device": "cpu", "dtype": "fp32", "output_dir": str(tmp_path / "run"),
+                           "num_steps": 2, "groups_per_step": 2, "group_size": 2,
+                           "max_generated_tokens": 6, "micro_batch_groups": 1,
+                           **more}.items():
+            OmegaConf.update(cfg, key, value)
+        return load_recipe().GRPORecipe(cfg)
+
+    first = recipe(folder, num_steps=1)
+    first.setup()
+    first.train()
+    first.cleanup()
+    config = json.loads((folder / "config.json").read_text())
+    for change, message in [({"rope_theta": 1234.0}, r"config.json rope_theta: .* now"),
+                            ({"intermediate_size": 48}, r"config.json intermediate_size: 64 "
+                                                        r"when .* 48 now(.|\n)*mlp.*\(64, 32\) "
+                                                        r"-> \(48, 32\)")]:
+        other = tmp_path / f"other_{next(iter(change))}"
+        other.mkdir()
+        for f in folder.iterdir():
+            (other / f.name).write_bytes(f.read_bytes())
+        (other / "config.json").write_text(json.dumps({**config, **change}))
+        if "intermediate_size" in change:
+            write_checkpoint(other, len(HFTokenizer(str(folder))._tok), intermediate_size=48)
+            (other / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match=message):
+            recipe(other, resume_from_checkpoint=True).setup()
+    again = recipe(folder, resume_from_checkpoint=True)  # the same model resumes
+    again.setup()
+    again.cleanup()
 
 
 def test_a_dataset_line_that_is_not_json_is_named(tmp_path, checkpoint):

@@ -235,6 +235,10 @@ def test_tune_run_prints_no_torchao_line_before_our_code_runs():
     ("max_generated_tokens=300", "error: max_generated_tokens=300: with prompts of up to 8 "
                                  "tokens it exceeds the model's context of 256"),
     ("model.vocab_size=5", "error: model: its vocabulary holds 5 ids, the tokenizer's 12"),
+    # these were tracebacks (ValueError: Overflow when unpacking long long; IndexError)
+    ("seed=99999999999999999999", "error: seed (command-line override "
+                                  "'seed=99999999999999999999'): 99999999999999999999 must be in"),
+    ("optimizer.betas=[0.9]", "error: optimizer: IndexError:"),
 ])
 def test_a_value_a_component_refuses_is_a_config_error(tmp_path, override, message):
     proc = tune(f"output_dir={tmp_path / 'run'}", "num_steps=1", override)

@@ -65,13 +65,39 @@ def test_a_diverging_run_stops_and_keeps_its_last_finite_checkpoint(tmp_path):
     # to the end and replace the last good checkpoint with NaN weights
     recipe = recipe_for(tmp_path, "run", num_steps=6, save_every=1, **{"optimizer.lr": 1e3})
     recipe.setup()
-    with pytest.raises(RunFailed, match=r"step (\d): the gradient norm is (nan|inf).* so .*"
-                                        r"checkpoint.pt, if any, is the last good checkpoint"):
+    with pytest.raises(RunFailed, match=r"step (\d): the gradient norm is (nan|inf).*; .*"
+                                        r"checkpoint.pt holds step \d, the last good one"):
         recipe.train()
     recipe.cleanup()
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert state["step"] == recipe.step >= 1
     assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_a_diverging_run_saves_the_step_before_and_a_resume_starts_the_failed_step_again(
+        tmp_path):
+    # without save_every the run ended with nothing saved, though the weights in memory were
+    # the last finite step's
+    lr = {"optimizer.lr": 1e3}
+    recipe = recipe_for(tmp_path, "run", num_steps=8, save_every=0, **lr)
+    recipe.setup()
+    with pytest.raises(RunFailed) as failed:
+        recipe.train()
+    recipe.cleanup()
+    k = recipe.step
+    assert f"the weights of step {k} were saved" in str(failed.value)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert state["step"] == k >= 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    # the failed step's own random states were saved: resumed unchanged, it fails alike
+    again = recipe_for(tmp_path, "run", num_steps=8, save_every=0, resume_from_checkpoint=True,
+                       **lr)
+    again.setup()
+    with pytest.raises(RunFailed) as failed_again:
+        again.train()
+    again.cleanup()
+    first, second = (str(e.value).split("; ")[0] for e in (failed, failed_again))
+    assert first == second and first.startswith(f"step {k + 1}: ")  # the same loss too
 
 
 def test_non_finite_weights_are_not_written(tmp_path):
@@ -121,3 +147,34 @@ def test_a_changed_seed_on_resume_is_said_to_do_nothing(tmp_path, capsys):
     run(tmp_path, "run", num_steps=2, resume_from_checkpoint=True, seed=5)
     out = capsys.readouterr().out
     assert "seed: 0 -> 5 (no effect: the checkpoint's random states are restored)" in out
+
+
+def test_a_metric_log_that_cannot_be_written_ends_the_logging_not_the_run(tmp_path, capsys):
+    # a full disk under log_dir raised OSError out of the step: the run died with a traceback
+    # and its steps since the last checkpoint were lost
+    recipe = recipe_for(tmp_path, "run", num_steps=3)
+    recipe.setup()
+    log = recipe.metric_logger.log_dict
+
+    def full_disk(metrics, step):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+        log(metrics, step=step)
+
+    recipe.metric_logger.log_dict = full_disk
+    recipe.train()
+    recipe.cleanup()
+    assert [h["step"] for h in recipe.history] == [1, 2, 3]
+    assert "warning: step 2: the metric log could not be written ([Errno 28] No space left" in \
+        capsys.readouterr().err
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 3
+
+
+def test_a_log_dir_that_is_a_file_is_a_config_error_before_the_model_is_built(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for log_dir, why in [(tmp_path / "afile", "is a file"),
+                         (tmp_path / "afile" / "tb", "lies under the file")]:
+        recipe = recipe_for(tmp_path, "run", **{"metric_logger.log_dir": str(log_dir)})
+        with pytest.raises(ConfigError, match=f"metric_logger.log_dir=.* {why}"):
+            recipe.setup()
+        assert not hasattr(recipe, "model")
