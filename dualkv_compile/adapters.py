@@ -199,6 +199,10 @@ def _check_moe(model, cfg) -> None:
                          "'batched_mm' (it gathers each token's expert weights, so it suits "
                          "small models) or call dualkv_compile.models.use_grouped_experts(model)"
                          " (grouped GEMMs per expert, one token-local op)")
+    if dispatch == "dualkv_grouped":  # registered process-wide once: check this model's experts
+        from .models.moe_experts import check_grouped_experts
+
+        check_grouped_experts(model)
     if getattr(cfg, "output_router_logits", False):
         raise ValueError("optimize() runs the decoder body only, so the router's auxiliary "
                          "load-balancing loss would not be computed; set "

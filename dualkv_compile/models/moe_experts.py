@@ -194,15 +194,20 @@ def _check_experts(module) -> None:
             f"has_post_expert_norm)={layout}")
 
 
-def use_grouped_experts(model) -> None:
-    """Run `model`'s experts (transformers' Qwen3-MoE) as one grouped, token-local op."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
+def check_grouped_experts(model) -> None:
+    """A ValueError unless every experts module of `model` is one the grouped op computes."""
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     if not experts:
         raise ValueError(f"{type(model).__name__} has no experts modules (gate_up_proj)")
     for m in experts:
         _check_experts(m)
+
+
+def use_grouped_experts(model) -> None:
+    """Run `model`'s experts (transformers' Qwen3-MoE) as one grouped, token-local op."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    check_grouped_experts(model)
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _experts_forward)
     model.set_experts_implementation(IMPLEMENTATION)

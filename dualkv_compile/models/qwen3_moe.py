@@ -65,6 +65,9 @@ def qwen3_moe_from_hf_config(path: str, **overrides):
                          f"num_hidden_layers, num_experts_per_tok)")
     if cfg.model_type != "qwen3_moe":
         raise ValueError(f"{path} holds a {cfg.model_type!r} config, not 'qwen3_moe'")
-    cfg.output_router_logits = False
+    if cfg.output_router_logits:  # was set to False silently: the loss would not be trained
+        raise ValueError("output_router_logits=True (the router's load-balancing loss) is not "
+                         "supported: optimize() runs the decoder body only and computes no "
+                         "router loss; set it to False in config.json or the model overrides")
     cfg._experts_implementation = "batched_mm"
     return tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")

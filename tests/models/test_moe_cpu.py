@@ -76,9 +76,31 @@ def test_dispatches_the_proof_does_not_follow_are_refused(dispatch):
         dk.optimize(moe(dispatch=dispatch))
 
 
-def test_the_auxiliary_router_loss_is_refused():
+def test_the_auxiliary_router_loss_is_refused(tmp_path):
     with pytest.raises(ValueError, match="load-balancing loss would not be computed"):
         dk.optimize(moe(output_router_logits=True))
+    # the builder from a config.json set it to False silently, also over an explicit override
+    from dualkv_compile.models import qwen3_moe_from_hf_config
+
+    moe().config.save_pretrained(tmp_path / "off")
+    moe(output_router_logits=True).config.save_pretrained(tmp_path / "on")
+    for path, overrides in [(tmp_path / "on", {}), (tmp_path / "off",
+                                                    {"output_router_logits": True})]:
+        with pytest.raises(ValueError, match="output_router_logits=True .* is not supported"):
+            qwen3_moe_from_hf_config(str(path), **overrides)
+    assert not qwen3_moe_from_hf_config(str(tmp_path / "off")).config.output_router_logits
+
+
+def test_the_grouped_dispatch_is_checked_on_every_model_that_names_it():
+    # once any model registered the op, a GELU expert model set to it by hand was run with
+    # SiLU (0.031 off the plain model), though use_grouped_experts refuses it
+    from dualkv_compile.models import use_grouped_experts
+
+    use_grouped_experts(moe())
+    gelu = moe(hidden_act="gelu")
+    gelu.set_experts_implementation("dualkv_grouped")
+    with pytest.raises(ValueError, match="has hidden_act='gelu'"):
+        dk.optimize(gelu)
 
 
 class _Grouped(torch.nn.Module):
