@@ -14,7 +14,8 @@ from pathlib import Path
 from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
-           "environment", "interleaved_medians", "parse_shape", "positive_int", "write_results"]
+           "environment", "interleaved_medians", "parse_shape", "positive_int", "seed_int",
+           "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -24,6 +25,17 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def seed_int(text: str) -> int:
+    """An argparse type: a seed torch.Generator.manual_seed takes (an integer in [0, 2**63))."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 2**63)")
+    return value
 
 
 def positive_int(text: str) -> int:

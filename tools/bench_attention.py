@@ -23,7 +23,8 @@ from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention.op import _flex_attention
 from dualkv_compile.attention.block_mask import shared_prefix_block_mask
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
-                                          environment, interleaved_medians, write_results)
+                                          environment, interleaved_medians, positive_int,
+                                          write_results)
 
 # the five shapes of issue #4, then long context (P=32K) and a layout of > 262,144 packed tokens
 DEFAULT_SHAPES = ["16,2048,512", "32,4096,1024", "32,8192,1024", "16,8192,2048", "64,2048,512",
@@ -342,12 +343,16 @@ def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
     ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--warmup-ms", type=int, default=100)
-    ap.add_argument("--rep-ms", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    ap.add_argument("--heads", type=positive_int, default=32, help="query heads (default 32)")
+    ap.add_argument("--kv-heads", type=positive_int, default=8,
+                    help="key/value heads, dividing --heads (default 8)")
+    ap.add_argument("--head-dim", type=positive_int, default=128, help="default 128")
+    ap.add_argument("--warmup-ms", type=positive_int, default=100,
+                    help="do_bench's warm-up per variant, ms (default 100)")
+    ap.add_argument("--rep-ms", type=positive_int, default=1000,
+                    help="do_bench's timing per variant, ms, split over the rounds (default 1000)")
+    ap.add_argument("--rounds", type=positive_int, default=5,
+                    help="interleaved timing rounds (default 5)")
     ap.add_argument("--backends", nargs="+", choices=["triton", "flash", "regions"],
                     default=["triton", "flash", "regions"],
                     help="packed-op backends to time (flash where flash-attn-4 runs; regions: "

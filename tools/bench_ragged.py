@@ -38,7 +38,8 @@ from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.testing import make_batch
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, positive_int, write_results)
+                                          interleaved_medians, positive_int, seed_int,
+                                          write_results)
 from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
@@ -215,7 +216,8 @@ def _parse_caps(text: str) -> tuple[int, int]:
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
     ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2],
+                    help="the layouts' seeds, one case per seed and cap pair (default 0 1 2)")
     ap.add_argument("--caps", type=_parse_caps, nargs="+", default=list(CAPS),
                     metavar="P_cap,R_cap", help="prompt and response length caps (default: "
                     + " ".join(f"{p},{r}" for p, r in CAPS) + ")")
@@ -224,7 +226,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--input-layouts", nargs="+", choices=["token", "head"], default=["token"],
                     help="q/k/v memory layouts to time ours with (token: a model's)")
     ap.add_argument("--max-tokens", type=positive_int, default=262144,
-                    help="replicated tokens per micro-batch at most")
+                    help="replicated tokens per micro-batch at most (default 262144)")
     ap.add_argument("--heads", type=positive_int, default=32)
     ap.add_argument("--kv-heads", type=positive_int, default=8)
     ap.add_argument("--head-dim", type=positive_int, default=128)

@@ -11,10 +11,11 @@ User errors (unknown model, impossible numbers, missing files) exit 2 with one l
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 
-from ._common import OneLineParser, positive_int
+from ._common import OneLineParser, positive_int, seed_int
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
@@ -45,20 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     _layout(ins)
     ins.add_argument("--layers", type=positive_int, default=None,
                      help="build the model with this many layers (default: as configured)")
-    ins.add_argument("--out", default=None, help="write the graphs and an SVG here")
+    ins.add_argument("--out", default=None,
+                     help="a folder (created) to write each stage's graph and an SVG in")
     ins.add_argument("--attention-backend", default="auto",
                      choices=list(KERNELS),
                      help="the attention the rewrite inserts: flex (auto/flash/triton) or a "
-                          "regions op (regions: cuDNN, flash_regions: flash-attn-4)")
+                          "regions op (regions: cuDNN, flash_regions: flash-attn-4); default "
+                          "auto")
 
     msk = subs.add_parser("mask", help="draw the block mask of a layout as a PNG")
     _layout(msk)
     msk.add_argument("--ragged", action="store_true",
                      help="random response lengths up to --response-len")
-    msk.add_argument("--seed", type=int, default=0,
+    msk.add_argument("--seed", type=seed_int, default=0,
                      help="the seed of --ragged's response lengths (default 0)")
-    msk.add_argument("--pad-to", type=positive_int, default=128, help="T multiple (of 128)")
-    msk.add_argument("--scale", type=positive_int, default=None, help="pixels per block")
+    msk.add_argument("--pad-to", type=positive_int, default=128,
+                     help="pad the packed length T to a multiple of this, itself a multiple of "
+                          "128 (default 128)")
+    msk.add_argument("--scale", type=positive_int, default=None,
+                     help="pixels per 128-token block (default: up to 16, keeping the image "
+                          "within 1024 pixels a side)")
     msk.add_argument("--out", required=True, help="PNG file to write")
 
     pln = subs.add_parser("plan", help="predicted savings and memory with and without dualkv")
@@ -82,13 +89,36 @@ def build_parser() -> argparse.ArgumentParser:
     rest = bch.add_argument("rest", nargs=argparse.REMAINDER,
                             help="the benchmark's own arguments")
     rest.required = False  # argparse marks REMAINDER required; none is fine (`bench NAME`)
+    ap.commands = {"inspect": ins, "mask": msk, "plan": pln}  # (bench passes its flags on)
     return ap
+
+
+def _unknown_flags(parser, argv: list[str]) -> None:
+    """A flag the subcommand does not know is its one-line error, naming `dualkv COMMAND` and
+    the closest flag: argparse named `dualkv`, and a misspelt required flag (--modle) was
+    reported as the required one missing."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    sub = parser.commands.get(command)
+    if sub is None:
+        return
+    flags = [o for action in sub._actions for o in action.option_strings]
+    for arg in argv[argv.index(command) + 1:]:
+        if arg == "--":
+            return
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--") or any(f.startswith(name) for f in flags):
+            continue  # a value, or a flag (argparse takes unique prefixes)
+        close = difflib.get_close_matches(name, flags, n=1)
+        sub.error(f"unrecognized argument {name}" + (f"; did you mean {close[0]}?" if close
+                                                     else ""))
 
 
 def main(argv=None) -> int:
     args = None
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        _unknown_flags(parser, sys.argv[1:] if argv is None else list(argv))
+        args = parser.parse_args(argv)
         return _run(args)
     except KeyboardInterrupt:
         print(f"dualkv{'' if args is None else ' ' + args.command}: interrupted",
@@ -98,6 +128,14 @@ def main(argv=None) -> int:
         try:  # (and let the interpreter's final flush of stdout find no pipe to fail on)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError):  # stdout is no file (captured)
+            pass
+        return 1
+    except OSError as e:  # the output cannot be written (`> /dev/full`, a full disk)
+        print(f"dualkv{'' if args is None else ' ' + args.command}: error: {e}",
+              file=sys.stderr)
+        try:  # nothing more for the interpreter's final flush to fail on
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
             pass
         return 1
 

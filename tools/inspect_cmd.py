@@ -13,6 +13,7 @@ from dualkv_compile.testing import make_batch
 
 from ._common import check_out_path
 from .graph_text import attention_region_svg, graph_text
+from . import models
 from .models import CliError, build_model
 
 __all__ = ["run_inspect"]
@@ -27,6 +28,23 @@ STAGES = {"traced": "graph traced by Dynamo (before the passes)",
           "token_locality": "after the token-locality proof (unchanged when proven)",
           "lm_head": "after the LM-head cut",
           "position_tables": "after storing the position tables (RoPE's cos/sin computed once)"}
+
+
+def _heads(model) -> int:
+    cfg = getattr(model, "config", None)
+    return cfg.num_attention_heads if cfg is not None else model.layers[0].attn.num_heads
+
+
+def _check_memory(model, name: str, tokens: int) -> None:
+    """The CPU reference attention holds a [heads, T, T] float32 score matrix and its softmax:
+    refused up front where they do not fit (it failed with an allocator traceback)."""
+    need = 2 * _heads(model) * tokens ** 2 * 4
+    available = models.available_memory()
+    if available is not None and need > available:
+        raise CliError(f"the CPU reference attention of {name} over {tokens:,} packed tokens "
+                       f"holds {need / 2**30:.1f} GiB of scores, more than the "
+                       f"{available / 2**30:.1f} GiB this machine has available: use fewer or "
+                       "shorter groups")
 
 
 def _head_dim(model) -> int | None:
@@ -53,6 +71,7 @@ def run_inspect(args, out=print) -> int:
         raise CliError(f"the layout packs {tokens:,} tokens, more than inspect runs on the CPU "
                        f"({MAX_TOKENS:,}): use fewer or shorter groups")
     model = build_model(args.model, args.layers, positions=args.prompt_len + args.response_len)
+    _check_memory(model, args.model, tokens)
     vocab = model.get_output_embeddings().weight.shape[0] if hasattr(
         model, "get_output_embeddings") else model.tok_embeddings.num_embeddings
     if args.groups > vocab - 2:  # make_batch tells groups apart by their first token, 1..G
@@ -88,6 +107,11 @@ def run_inspect(args, out=print) -> int:
             wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     except Refusal as e:
         refusal = e
+    if folder is not None:  # before printing: a reader that leaves early (| head) ends the run
+        try:
+            _write(folder, stages, refusal)
+        except OSError as e:
+            raise CliError(f"--out {args.out}: cannot write: {e}") from None
     out(f"model {args.model}: {type(model).__name__}; layout: {args.groups} group(s) x "
         f"{args.group_size} responses, prompt {args.prompt_len}, response {args.response_len}; "
         f"T={packed.seq_len}, rho={packed.rho:.2f}")
@@ -111,10 +135,6 @@ def run_inspect(args, out=print) -> int:
     if refusal is not None:
         out(f"\nrefused: {refusal}")
     if folder is not None:
-        try:
-            _write(folder, stages, refusal)
-        except OSError as e:
-            raise CliError(f"--out {args.out}: cannot write: {e}") from None
         out(f"\nwrote {len(stages)} graph file(s)"
             + ("" if refusal is not None else " and attention_region.svg") + f" to {folder}")
     return 1 if refusal is not None else 0

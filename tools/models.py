@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["CliError", "TINY", "PRESETS", "TINY_MAX_POSITIONS", "model_dims", "build_model"]
+__all__ = ["CliError", "TINY", "PRESETS", "TINY_MAX_POSITIONS", "available_memory", "model_dims",
+           "build_model"]
 
 TINY = ("qwen2_5", "llama3_2", "hf_qwen3", "hf_llama")
 # the published Qwen3 configs' max_position_embeddings (the presets' context)
@@ -76,15 +77,36 @@ def _read_hf_config(path: Path) -> dict:
         # bool is an int to Python; JSON's true is no head count
         if (key in _REQUIRED or value is not None) and (type(value) is not int or value < 1):
             raise CliError(f"{path}: {key} = {json.dumps(value)} must be a positive integer")
+    filled = _transformers_defaults(cfg)
+    cfg = {**cfg, **filled}
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     if heads % kv_heads:
+        origin = (f" (transformers' default for {cfg['model_type']}, which the file leaves out)"
+                  if "num_key_value_heads" in filled else "")
         raise CliError(f"{path}: num_attention_heads = {heads} is not a multiple of "
-                       f"num_key_value_heads = {kv_heads}")
+                       f"num_key_value_heads = {kv_heads}{origin}")
     if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
         raise CliError(f"{path}: hidden_size = {cfg['hidden_size']} is not a multiple of "
                        f"num_attention_heads = {heads} (and no head_dim is given)")
     return cfg
+
+
+def _transformers_defaults(cfg: dict) -> dict:
+    """num_key_value_heads and head_dim where config.json leaves them out, as transformers
+    fills them for its model_type (Qwen3: 32 KV heads of 128, not hidden / heads); {} where
+    transformers is not installed or does not know the model_type."""
+    missing = [k for k in ("num_key_value_heads", "head_dim") if cfg.get(k) is None]
+    if not missing or not isinstance(cfg.get("model_type"), str):
+        return {}
+    try:
+        from transformers import AutoConfig
+
+        built = AutoConfig.for_model(**cfg)
+    except Exception:  # noqa: BLE001 - not installed, an unknown model_type, fields it refuses
+        return {}
+    return {k: getattr(built, k) for k in missing
+            if type(getattr(built, k, None)) is int and getattr(built, k) >= 1}
 
 
 def _hf_dims(cfg: dict, path: Path) -> dict:
@@ -196,14 +218,15 @@ def _check_memory(name: str, layers: int | None) -> None:
     if layers is not None:
         dims["layers"] = layers
     need = estimate(dims, 1, 1, 1)["params"] * 4
-    available = _available_memory()
+    available = available_memory()
     if available is not None and need > available:
         raise CliError(f"{name} with {dims['layers']} layers holds {need / 2**30:.1f} GiB of "
                        f"fp32 weights, more than the {available / 2**30:.1f} GiB this machine "
                        f"has available; use --layers 1 (the graphs repeat per layer)")
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
+    """MemAvailable in bytes (None where /proc/meminfo does not say)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

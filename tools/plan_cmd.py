@@ -64,14 +64,16 @@ def estimate(d: dict, n: int, p: int, r: int, *, state_bytes: int = 12,
         "checkpointed_bytes_dualkv": per_token_ckpt * packed_tokens + head_memory,
     }
 
+MAX_GPU_GIB = 10**6  # --gpu-memory at most (GiB): more is a typo, and 1e300 overflowed to inf
 
 def run_plan(args, out=print) -> int:
     for flag, value in (("-N", args.N), ("-P", args.P), ("-R", args.R)):
         if value < 1:
             raise CliError(f"{flag} {value}: must be at least 1")
     gib = args.gpu_memory  # float("nan") and float("inf") parse, but are no amount of memory
-    if gib is not None and not (math.isfinite(gib * GIB) and gib > 0):
-        raise CliError(f"--gpu-memory {args.gpu_memory}: must be a positive, finite number of GiB")
+    if gib is not None and not 0 < gib <= MAX_GPU_GIB:
+        raise CliError(f"--gpu-memory {args.gpu_memory}: must be a number of GiB in "
+                       f"(0, {MAX_GPU_GIB:,}]")
     d = model_dims(args.model)
     limit = d.get("max_positions")
     if limit is not None and args.P + args.R > limit:

@@ -28,17 +28,25 @@ from dualkv_compile.tools.cli import main
     (["inspect", "--model", "hf_llama", "--layers", "3"],
      "--layers 3: the tiny family hf_llama has 2 layers"),
     (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "--gpu-memory", "nan"],
-     "--gpu-memory nan: must be a positive, finite number of GiB"),
+     "--gpu-memory nan: must be a number of GiB in (0, 1,000,000]"),
     (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "--gpu-memory", "inf"],
-     "--gpu-memory inf: must be a positive, finite number of GiB"),
+     "--gpu-memory inf: must be a number of GiB in (0, 1,000,000]"),
     (["mask", "--scale", "100000", "--out", "m.png"],
      "--scale 100000: 1x1 blocks of 100000 px make 100,000 px a side, more than the limit of "
      "4096: use --scale 4096 or less"),
     (["mask", "--pad-to", "1280000000", "--out", "m.png"], "packs 1,280,000,000 tokens"),
     (["bench"], "the following arguments are required: name"),
     (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "--gpu-memory", "1e300"],
-     "--gpu-memory 1e+300: must be a positive, finite number of GiB"),  # inf once in bytes
+     "--gpu-memory 1e+300: must be a number of GiB in (0, 1,000,000]"),  # inf once in bytes
     (["mask", "--out", "m.jpg"], "--out 'm.jpg': the mask is drawn as a PNG; name a .png file"),
+    # these were a traceback, a message from `dualkv` without the subcommand or the typo, and
+    # "required: --model" for a misspelt --model
+    (["mask", "--ragged", "--seed", "99999999999999999999", "--out", "m.png"],
+     "must be in [0, 2**63)"),
+    (["mask", "--grups", "2", "--out", "m.png"],
+     "dualkv mask: error: unrecognized argument --grups; did you mean --groups?"),
+    (["inspect", "--modle", "qwen2_5"],
+     "dualkv inspect: error: unrecognized argument --modle; did you mean --model?"),
 ])
 def test_errors_exit_2_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a relative --out lands in a writable folder
@@ -223,7 +231,7 @@ def test_plan_and_inspect_bound_what_they_take(argv, message, capsys):
 def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built(monkeypatch, capsys):
     from dualkv_compile.tools import models
 
-    monkeypatch.setattr(models, "_available_memory", lambda: 4 * 2**30)
+    monkeypatch.setattr(models, "available_memory", lambda: 4 * 2**30)
     assert main(["inspect", "--model", "qwen3-8b"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
@@ -287,3 +295,59 @@ def test_bench_ab_prepare_refuses_a_file_and_replaces_an_earlier_prepare(tmp_pat
     bench_ab.main(["--prepare", "HEAD", "--other-dir", str(tmp_path / "out")])
     assert not stale.exists() and (stale.parent / "__init__.py").is_file()
 
+
+
+def test_inspect_checks_the_reference_attentions_memory_before_the_trace(monkeypatch, capsys):
+    # 24,576 tokens, under the 65,536 limit, failed with an allocator traceback (38.6 GB)
+    from dualkv_compile.tools import models
+
+    monkeypatch.setattr(models, "available_memory", lambda: 16 * 2**30)
+    assert main(["inspect", "--model", "qwen3-1.7b", "--layers", "1", "--groups", "1", "-N", "1",
+                 "-P", "16384", "-R", "8192"]) == 2
+    assert ("the CPU reference attention of qwen3-1.7b over 24,576 packed tokens holds 72.0 GiB "
+            "of scores, more than the 16.0 GiB this machine has available") in \
+        capsys.readouterr().err
+
+
+def test_inspect_writes_its_files_before_printing(tmp_path):
+    # `inspect --out DIR | head` left the reader before the files were written: none were
+    from dualkv_compile.tools.cli import build_parser
+    from dualkv_compile.tools.inspect_cmd import run_inspect
+
+    printed = []
+
+    def reader_leaves(text):
+        printed.append(text)
+        raise BrokenPipeError
+
+    args = build_parser().parse_args(["inspect", "--model", "qwen2_5",
+                                      "--out", str(tmp_path / "graphs")])
+    with pytest.raises(BrokenPipeError):
+        run_inspect(args, out=reader_leaves)
+    assert len(printed) == 1 and (tmp_path / "graphs" / "attention_region.svg").is_file()
+
+
+def test_bench_attention_takes_positive_head_counts(monkeypatch, capsys):
+    # --kv-heads 0 was a ZeroDivisionError, negative counts passed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the arguments come first
+    for flag in ("--kv-heads", "--heads"):
+        with pytest.raises(SystemExit) as done:
+            main(["bench", "attention", flag, "0"])
+        assert done.value.code == 2
+        assert f"{flag}: 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_plan_fills_the_fields_a_config_leaves_out_as_transformers_does(tmp_path, capsys):
+    # Qwen3 without head_dim / num_key_value_heads was read as 16/16 heads of 64; transformers
+    # builds 8 KV heads of 128 from the same file (its Qwen3 default head_dim is 128)
+    pytest.importorskip("transformers")
+    cfg = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+               num_key_value_heads=8, intermediate_size=3072, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path), "-N", "2", "-P", "8", "-R", "4"]) == 0
+    assert "16/8 heads of 128" in capsys.readouterr().out
+    del cfg["num_key_value_heads"]  # transformers' Qwen3 default: 32, which 16 heads cannot use
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path), "-N", "2", "-P", "8", "-R", "4"]) == 2
+    assert ("num_key_value_heads = 32 (transformers' default for qwen3, which the file leaves "
+            "out)") in capsys.readouterr().err
