@@ -15,7 +15,6 @@ FLOPs: 6 x a token's active layer parameters per token, 12 x D x Hq per causal p
 
 from __future__ import annotations
 
-
 from dualkv_compile.adapters import HF_FAMILIES
 from dualkv_compile.config import DualKVConfig
 
