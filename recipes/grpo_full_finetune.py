@@ -388,8 +388,8 @@ def recipe_main(cfg: DictConfig) -> None:
     saved = (f"checkpoint of step {recipe.saved_step} in {recipe.output_dir}"
              if recipe.saved_step is not None else "no checkpoint written")
     # the steps by number: a resumed run's first steps are not the training's first
-    print(f"mean reward: {_mean_reward(recipe.history[:5])}, "
-          f"{_mean_reward(recipe.history[-5:])}; {saved}")
+    spans = [recipe.history[:5]] + ([recipe.history[-5:]] if len(recipe.history) > 5 else [])
+    print(f"mean reward: {', '.join(map(_mean_reward, spans))}; {saved}")
 
 
 def _mean_reward(rows: list[dict]) -> str:
