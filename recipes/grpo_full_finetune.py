@@ -35,7 +35,7 @@ import dualkv_compile as dk
 from dualkv_compile.rl import (group_advantages, overlong_penalty, peak_bf16_tflops,
                                policy_update_flops, scored_groups)
 from dualkv_compile.rl import distributed as ddp
-from dualkv_compile.rl.metric_log import open_metric_logger
+from dualkv_compile.rl.metric_log import close_logger, log_step, open_metric_logger
 from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
@@ -65,22 +65,21 @@ class GRPORecipe(RecipeCheckpoints):
         self.output_dir = Path(cfg.output_dir)
         self.history: list[dict] = []  # the logged metrics, for tests
         self.step = 0
-        self.saved_step: int | None = None  # the step of the last checkpoint written
+        self.saved_step: int | None = None  # output_dir's checkpoint's step (written or resumed)
         self.run_locks: list[RunLock] = []  # rank 0's, from setup() to cleanup()
         self.stopped_by: int | None = None  # the signal that ended the run early
         self.updates_taken = 0  # optimizer steps taken in the current step
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self):
-        # before any work: output_dir, and a checkpointer's output_dir outside it, serve one live
-        # run (rank 0 holds their locks until cleanup() or the end of the process; a setup that
-        # fails lets them go)
+        # before any work: output_dir and a checkpointer's output_dir (inside it or not: another
+        # run may name this one's) serve one live run (rank 0 holds their locks until cleanup()
+        # or the end of the process; a setup that fails lets them go)
         try:
             if self.rank == 0:
                 self.run_locks.append(RunLock(self.output_dir))
                 for folder in self._weight_dirs():
-                    if not folder.resolve().is_relative_to(self.output_dir.resolve()):
-                        self.run_locks.append(RunLock(folder, key="checkpointer.output_dir"))
+                    self.run_locks.append(RunLock(folder, key="checkpointer.output_dir"))
             self._setup()
         except BaseException:
             self._release_lock(failed_setup=True)
@@ -118,8 +117,12 @@ class GRPORecipe(RecipeCheckpoints):
         if self.checkpointer is not None:
             weights = instantiate_checked("checkpointer", self.checkpointer.load_checkpoint)
             self.model.load_state_dict(weights["model"], strict=True)
-            source = Path(self.checkpointer.checkpoint_dir) / "config.json"
-            self.model_config = json.loads(source.read_text()) if source.is_file() else None
+            # (torchtune's own checkpointers name the folder _checkpoint_dir)
+            folder = getattr(self.checkpointer, "checkpoint_dir",
+                             getattr(self.checkpointer, "_checkpoint_dir", None))
+            source = Path(folder) / "config.json" if folder is not None else None
+            self.model_config = (json.loads(source.read_text())
+                                 if source is not None and source.is_file() else None)
         self.model.to(device=self.device, dtype=self.dtype)
         self.ref_model = ddp.reference_copy(self.model)  # shaped like the policy: shared compiles
         if cfg.get("enable_activation_checkpointing", False):
@@ -159,9 +162,10 @@ class GRPORecipe(RecipeCheckpoints):
         if self.peak_tflops is None and self.device.type == "cuda" and self.rank == 0:
             print(f"mfu_useful is not logged: the bf16 peak of {torch.cuda.get_device_name()} "
                   "is not in dualkv_compile.rl.flops; set peak_tflops=<TFLOP/s>", flush=True)
+        resumed = self.step if cfg.resume_from_checkpoint else None
         self.metric_logger = open_metric_logger(
             cfg.metric_logger, cfg, output_dir=self.output_dir,
-            resume_step=self.step if cfg.resume_from_checkpoint else None) if self.rank == 0 else None
+            resume_step=resumed) if self.rank == 0 else None
 
     # ---- rollouts ----------------------------------------------------------------------------
     def rollout(self, prompts: torch.Tensor):
@@ -312,7 +316,7 @@ class GRPORecipe(RecipeCheckpoints):
             self.step += 1
             self.history.append({"step": self.step, **metrics})
             if self.metric_logger is not None:
-                self._log_metrics(metrics)
+                self.metric_logger = log_step(self.metric_logger, metrics, self.step)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
@@ -329,25 +333,12 @@ class GRPORecipe(RecipeCheckpoints):
                           f"checkpoint in {self._checkpoint_path()}", flush=True)
                 return
 
-    def _log_metrics(self, metrics: dict) -> None:
-        """A metric log that cannot be written (a full disk) ends the logging, said once, not
-        the run: its steps are trained and checkpointed as configured."""
-        try:
-            self.metric_logger.log_dict(metrics, step=self.step)
-        except OSError as e:
-            print(f"warning: step {self.step}: the metric log could not be written ({e}); "
-                  "no more metrics are logged, training goes on", file=sys.stderr, flush=True)
-            logger, self.metric_logger = self.metric_logger, None
-            try:
-                logger.close()
-            except OSError:
-                pass
-
     def cleanup(self, failed: bool = False):
         """failed: a RunFailed ended the run, on this rank perhaps alone (a save is rank 0's):
         no collective, which the other ranks might never join; torchrun ends them."""
         if self.metric_logger is not None:
-            self.metric_logger.close()
+            close_logger(self.metric_logger)
+            self.metric_logger = None
         self._release_lock()
         if self.world_size > 1 and not failed:
             # no rank may still hold collective work (or tensors it references) when the process

@@ -30,3 +30,19 @@ def run(tmp_path, name, config=CONFIG, **overrides):
     recipe.train()
     recipe.cleanup()
     return recipe
+
+
+class TorchtuneStyleCheckpointer:
+    """A checkpointer as torchtune's own are (the source folder in `_checkpoint_dir`, no
+    config.json there): loads a torch.save'd model state dict, records what it is asked to save."""
+
+    def __init__(self, checkpoint_dir: str, output_dir: str):
+        self._checkpoint_dir, self.output_dir, self.saved = Path(checkpoint_dir), output_dir, []
+
+    def load_checkpoint(self):
+        import torch
+
+        return {"model": torch.load(self._checkpoint_dir / "model.pt", weights_only=True)}
+
+    def save_checkpoint(self, state, epoch):
+        self.saved.append(epoch)

@@ -45,6 +45,13 @@ def test_a_public_name_is_not_replaced_by_its_submodule():
                   "print(dk.optimize is f, 'optimize' in dir(dk))") == "True True"
 
 
+def test_submodules_are_readable_after_a_plain_import():
+    # the eager package made them attributes; docs/api.md reads ...attention.registry.KERNELS
+    assert _fresh("import dualkv_compile as dk\n"
+                  "print(sorted(dk.attention.registry.KERNELS)[0], dk.layout.__name__, "
+                  "dk.stats.counters is dk.counters)") == "auto dualkv_compile.layout True"
+
+
 def test_an_unknown_name_is_an_attribute_error():
     import dualkv_compile
 

@@ -28,7 +28,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def seed_int(text: str) -> int:
-    """An argparse type: a seed torch.Generator.manual_seed takes (an integer in [0, 2**63))."""
+    """An argparse type: a seed, an integer in [0, 2**63) (torch.Generator.manual_seed takes
+    [-2**63, 2**64); a seed past that was a traceback)."""
     try:
         value = int(text)
     except ValueError:

@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _unknown_flags(parser, argv: list[str]) -> None:
     """A flag the subcommand does not know is its one-line error, naming `dualkv COMMAND` and
     the closest flag: argparse named `dualkv`, and a misspelt required flag (--modle) was
@@ -102,12 +110,16 @@ def _unknown_flags(parser, argv: list[str]) -> None:
     if sub is None:
         return
     flags = [o for action in sub._actions for o in action.option_strings]
+    short = [f for f in flags if not f.startswith("--")]
     for arg in argv[argv.index(command) + 1:]:
         if arg == "--":
             return
         name = arg.split("=", 1)[0]
-        if not name.startswith("--") or any(f.startswith(name) for f in flags):
-            continue  # a value, or a flag (argparse takes unique prefixes)
+        if name.startswith("--"):
+            if any(f.startswith(name) for f in flags):
+                continue  # a flag (argparse takes unique prefixes)
+        elif not name.startswith("-") or _is_number(name) or any(arg.startswith(f) for f in short):
+            continue  # a value (a negative number too), or a short flag (-N2 carries its value)
         close = difflib.get_close_matches(name, flags, n=1)
         sub.error(f"unrecognized argument {name}" + (f"; did you mean {close[0]}?" if close
                                                      else ""))

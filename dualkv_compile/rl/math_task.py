@@ -59,22 +59,20 @@ class MathJSONLTask(SeededTask):
             raise ValueError(f"dataset {path} is empty")
         self.tokenizer, self.template = tokenizer, prompt_template
 
-    @cached_property
-    def _prompts(self) -> list[list[int]]:
-        """Every row's prompt ids, encoded once (on first use)."""
-        return [self.tokenizer.encode(self.template.format(question=row["question"]))
-                for row in self.rows]
+    def _encode(self, i: int) -> list[int]:
+        return self.tokenizer.encode(self.template.format(question=self.rows[i]["question"]))
 
-    @property
+    @cached_property
     def max_prompt_len(self) -> int:
-        """The longest prompt in tokens: the recipe checks it plus max_generated_tokens against
-        the model's context before the first step."""
-        return max(len(p) for p in self._prompts)
+        """The longest prompt in tokens (every row encoded once, on first use; only the length
+        is kept): the recipe checks it plus max_generated_tokens against the model's context
+        before the first step."""
+        return max(len(self._encode(i)) for i in range(len(self.rows)))
 
     def sample_prompts(self, n: int) -> tuple[Tensor, list[str]]:
         """n prompts, left-padded with the tokenizer's pad id to one length, and their answers."""
         idx = torch.randint(0, len(self.rows), (n,), generator=self.generator).tolist()
-        encoded = [self._prompts[i] for i in idx]
+        encoded = [self._encode(i) for i in idx]
         width = max(len(e) for e in encoded)
         tokens = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
         for row, e in enumerate(encoded):

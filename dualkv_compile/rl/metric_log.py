@@ -11,12 +11,13 @@ that cannot continue (open_metric_logger).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["TensorBoardLogger", "open_metric_logger"]
+__all__ = ["TensorBoardLogger", "close_logger", "log_step", "open_metric_logger"]
 
 _OWNER = "dualkv_run.json"  # in each run folder: the output_dir whose run it is
 
@@ -105,3 +106,27 @@ def open_metric_logger(cfg: DictConfig, run_cfg: DictConfig, *, output_dir: Path
               f"{resume_step} that the interrupted run logged stay in its run too", flush=True)
     logger.log_config(run_cfg)
     return logger
+
+
+def log_step(logger, metrics: dict, step: int):
+    """logger.log_dict(metrics, step); after a write that failed (a full disk), None: the run
+    goes on without metrics, said once, instead of ending with a traceback."""
+    try:
+        logger.log_dict(metrics, step=step)
+        return logger
+    except OSError as e:
+        print(f"warning: step {step}: the metric log could not be written ({e}); no more "
+              "metrics are logged, training goes on", file=sys.stderr, flush=True)
+        close_logger(logger, quiet=True)
+        return None
+
+
+def close_logger(logger, quiet: bool = False) -> None:
+    """logger.close(); TensorBoard's writer thread raises a failed write again here, which is
+    said (unless `quiet`), not raised: the run's work is done and saved."""
+    try:
+        logger.close()
+    except OSError as e:
+        if not quiet:
+            print(f"warning: the metric log could not be written at its close ({e})",
+                  file=sys.stderr, flush=True)

@@ -64,14 +64,17 @@ class RecipeCheckpoints:
         rng, torch_rng = state["rngs"][self.rank]
         self.rng.set_state(rng)
         torch.set_rng_state(torch_rng)
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]  # (a failure before the next step keeps it)
 
     def _save_before(self, random_states: tuple) -> str:
         """After a step failed before its first optimizer step: the weights are still the last
         step's, so they are saved (unless they were), with the random states of the failed
         step's start: a resumed run (with a lower lr, say) starts that step again."""
         if self.updates_taken == 0 and self.saved_step != self.step:
-            self.save_checkpoint(random_states)
+            try:
+                self.save_checkpoint(random_states)
+            except RunFailed as e:  # (the caller's message, the failed step's, comes first)
+                return f"saving the weights of step {self.step} failed too: {e}"
             return (f"the weights of step {self.step} were saved in {self._checkpoint_path()} "
                     "(resume_from_checkpoint=true starts the failed step again)")
         if self.updates_taken == 0:

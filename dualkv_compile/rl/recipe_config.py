@@ -88,7 +88,8 @@ COMPONENT = Key("section")
 GRPO_SCHEMA: dict[str, Any] = {
     "output_dir": Key("str"),
     "checkpoint_dir": Key("str", required=False),  # referenced by ${checkpoint_dir} in configs
-    "seed": Key("int", _in_range(-2**63, 2**64 - 1)),  # what torch.manual_seed takes
+    # torch.manual_seed takes [-2**63, 2**64); rank r seeds seed + r, so the top half is kept free
+    "seed": Key("int", _in_range(-2**63, 2**63 - 1)),
     "device": Key("str", _device),
     "dtype": Key("choice", choices=("fp32", "bf16", "fp64")),
     "num_steps": Key("int", _at_least(1)),

@@ -147,6 +147,24 @@ def test_two_runs_may_not_share_a_checkpointer_output_dir(tmp_path, checkpoint):
         recipes[0].cleanup()
     recipes[1].setup()  # free again
     recipes[1].cleanup()
+    # a checkpointer.output_dir inside another run's output_dir (its default ${output_dir}/hf)
+    # is locked too: it was taken only where it lay outside the run's own output_dir
+    inside = []
+    for name, hf in (("c", None), ("d", tmp_path / "c" / "hf")):
+        cfg = OmegaConf.load(ROOT / "recipes" / "configs" / "qwen3_1_7b_grpo.yaml")
+        for key, value in {"checkpoint_dir": str(folder), "task.path": str(data),
+                           "device": "cpu", "dtype": "fp32", "output_dir": str(tmp_path / name),
+                           "max_generated_tokens": 6}.items():
+            OmegaConf.update(cfg, key, value)
+        if hf is not None:
+            OmegaConf.update(cfg, "checkpointer.output_dir", str(hf))
+        inside.append(load_recipe().GRPORecipe(cfg))
+    inside[0].setup()
+    try:
+        with pytest.raises(ConfigError, match=r"checkpointer.output_dir=.*c/hf' is in use"):
+            inside[1].setup()
+    finally:
+        inside[0].cleanup()
 
 
 def test_a_failed_weight_export_is_written_again_by_the_resumed_run(tmp_path, checkpoint):

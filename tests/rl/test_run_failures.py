@@ -98,6 +98,23 @@ def test_a_diverging_run_saves_the_step_before_and_a_resume_starts_the_failed_st
     again.cleanup()
     first, second = (str(e.value).split("; ")[0] for e in (failed, failed_again))
     assert first == second and first.startswith(f"step {k + 1}: ")  # the same loss too
+    # and the checkpoint it resumed from is kept, not written again
+    assert f"checkpoint.pt holds step {k}, the last good one" in str(failed_again.value)
+
+
+def test_a_diverging_run_whose_save_fails_names_both(tmp_path):
+    # the save's own RunFailed replaced the message: the non-finite gradient went unsaid
+    recipe = recipe_for(tmp_path, "run", num_steps=8, save_every=0, **{"optimizer.lr": 1e3})
+    recipe.setup()
+
+    def full_disk(random_states=None):
+        raise RunFailed("step 1: no space left")
+
+    recipe.save_checkpoint = full_disk
+    with pytest.raises(RunFailed, match=r"step \d: the gradient norm is .*; saving the weights "
+                                        r"of step \d failed too: step 1: no space left"):
+        recipe.train()
+    recipe.cleanup(failed=True)
 
 
 def test_non_finite_weights_are_not_written(tmp_path):
@@ -164,9 +181,17 @@ def test_a_metric_log_that_cannot_be_written_ends_the_logging_not_the_run(tmp_pa
     recipe.metric_logger.log_dict = full_disk
     recipe.train()
     recipe.cleanup()
+
+    class ClosesOnAFullDisk:  # TensorBoard's writer raises a failed write again at its close
+        def close(self):
+            full_disk({}, 2)
+
+    recipe.metric_logger = ClosesOnAFullDisk()
+    recipe.cleanup()
     assert [h["step"] for h in recipe.history] == [1, 2, 3]
-    assert "warning: step 2: the metric log could not be written ([Errno 28] No space left" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning: step 2: the metric log could not be written ([Errno 28] No space left" in err
+    assert "warning: the metric log could not be written at its close ([Errno 28]" in err
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 3
 
 
@@ -178,3 +203,20 @@ def test_a_log_dir_that_is_a_file_is_a_config_error_before_the_model_is_built(tm
         with pytest.raises(ConfigError, match=f"metric_logger.log_dir=.* {why}"):
             recipe.setup()
         assert not hasattr(recipe, "model")
+
+
+def test_a_torchtune_checkpointer_without_checkpoint_dir_works(tmp_path):
+    # torchtune's checkpointers keep the folder in _checkpoint_dir: the recipe read
+    # .checkpoint_dir and failed with an AttributeError at setup
+    first = recipe_for(tmp_path, "first", num_steps=1)
+    first.setup()
+    (tmp_path / "source").mkdir()
+    torch.save(first.model.state_dict(), tmp_path / "source" / "model.pt")
+    first.cleanup()
+    recipe = recipe_for(tmp_path, "run", num_steps=1, checkpointer={
+        "_component_": "recipe_helpers.TorchtuneStyleCheckpointer",
+        "checkpoint_dir": str(tmp_path / "source"), "output_dir": str(tmp_path / "weights")})
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    assert recipe.checkpointer.saved == [1] and recipe.model_config is None

@@ -47,6 +47,8 @@ from dualkv_compile.tools.cli import main
      "dualkv mask: error: unrecognized argument --grups; did you mean --groups?"),
     (["inspect", "--modle", "qwen2_5"],
      "dualkv inspect: error: unrecognized argument --modle; did you mean --model?"),
+    (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "-X"],
+     "dualkv plan: error: unrecognized argument -X"),
 ])
 def test_errors_exit_2_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a relative --out lands in a writable folder
@@ -269,7 +271,8 @@ def test_the_command_module_imports_neither_torch_nor_the_models():
     import sys
 
     script = ("import sys, dualkv_compile.tools.cli\n"
-              "print(sorted(m for m in ('torch', 'torchtune', 'transformers') if m in sys.modules))")
+              "heavy = ('torch', 'torchtune', 'transformers')\n"
+              "print(sorted(m for m in heavy if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
