@@ -197,6 +197,9 @@ class DualKVModel(nn.Module):
     def _choose(self, packed_fn, dense_fn):
         if not self.uses_dualkv:
             return dense_fn()
+        # the construction's checks again: a setting changed since (the experts' dispatch, the
+        # router loss, KV caches) is named as it would have been, not met inside the trace
+        self._adapter.check(self.model)
         try:
             return packed_fn()
         except Exception as exc:  # noqa: BLE001 - only refusals are handled, others re-raised

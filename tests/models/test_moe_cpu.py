@@ -91,6 +91,20 @@ def test_the_auxiliary_router_loss_is_refused(tmp_path):
     assert not qwen3_moe_from_hf_config(str(tmp_path / "off")).config.output_router_logits
 
 
+@pytest.mark.parametrize("fallback", ["error", "dense"])
+def test_a_setting_changed_after_optimize_is_named_at_the_call(fallback):
+    # it met Dynamo ("data-dependent expression") or a refusal about a context manager
+    tokens, mask, p = make_batch([5, 3], [[2, 3], [4]], vocab=50,
+                                 generator=torch.Generator().manual_seed(0))
+    for change, match in [("_experts_implementation", "got 'eager': set model.config"),
+                          ("output_router_logits", "load-balancing loss would not be computed")]:
+        model = moe()
+        wrapper = dk.optimize(model, dk.DualKVConfig(fallback=fallback))
+        setattr(model.config, change, "eager" if change.startswith("_") else True)
+        with pytest.raises(ValueError, match=match):
+            wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
 def test_the_grouped_dispatch_is_checked_on_every_model_that_names_it():
     # once any model registered the op, a GELU expert model set to it by hand was run with
     # SiLU (0.031 off the plain model), though use_grouped_experts refuses it
