@@ -73,8 +73,14 @@ class RecipeCheckpoints:
         if self.updates_taken == 0 and self.saved_step != self.step:
             try:
                 self.save_checkpoint(random_states)
+                failed = None
             except RunFailed as e:  # (the caller's message, the failed step's, comes first)
-                return f"saving the weights of step {self.step} failed too: {e}"
+                failed = str(e)
+            # rank 0 writes: every rank waits for it and reports its outcome (the others left
+            # at once, claiming a save that a full disk, or torchrun ending rank 0, then lost)
+            failed = ddp.gather_objects(failed)[0]
+            if failed is not None:
+                return f"saving the weights of step {self.step} failed too: {failed}"
             return (f"the weights of step {self.step} were saved in {self._checkpoint_path()} "
                     "(resume_from_checkpoint=true starts the failed step again)")
         if self.updates_taken == 0:

@@ -91,7 +91,9 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     grad_norm = float(grad_norm)  # over all ranks: every rank takes the same branch
     if not math.isfinite(grad_norm):  # stepping would write NaN into every weight
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteGradient(f"the gradient norm is {grad_norm} (loss {loss_sum:.4g}): the "
+        # the whole loss, not this rank's share (every rank takes this branch)
+        loss = ddp.all_sum(loss_sum)[0]
+        raise NonFiniteGradient(f"the gradient norm is {grad_norm} (loss {loss:.4g}): the "
                                 "optimizer step was not taken, the weights are those before it "
                                 "(a learning rate too high is the usual cause)")
     optimizer.step()

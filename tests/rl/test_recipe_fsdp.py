@@ -169,3 +169,35 @@ def test_dynamic_sampling_runs_on_when_one_rank_keeps_no_group(tmp_path):
     assert step["sampled_reward"] == 8 / 80
     assert step["grad_norm"] > 0
 
+
+
+FULL_DISK_ON_RANK_0 = '''
+import os
+if os.environ.get("RANK") == "0":
+    import torch
+    _save = torch.save
+    def _full_disk(obj, f, *args, **kwargs):
+        if str(f).endswith("checkpoint.tmp"):
+            raise OSError(28, "No space left on device")
+        return _save(obj, f, *args, **kwargs)
+    torch.save = _full_disk
+'''
+
+
+def test_a_non_finite_gradient_on_two_ranks_ends_with_one_outcome(tmp_path):
+    # rank 1 left at once saying the step before was saved, while rank 0's write failed (or
+    # was still running when torchrun ended it), and each rank named its own share of the loss
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_0)  # rank 0's checkpoint write fails
+    cmd = [TUNE, "run", "--nproc_per_node", "2", "recipes/grpo_full_finetune.py", "--config",
+           "recipes/configs/tiny_grpo.yaml", f"output_dir={tmp_path / 'run'}", "num_steps=8",
+           "save_every=0", "optimizer.lr=1e3"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{hook}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if line.startswith("error: step")]
+    assert proc.returncode != 0 and len(errors) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert errors[0] == errors[1], errors  # the same loss, and the same outcome of the save
+    assert re.search(r"gradient norm is (nan|inf) .*; saving the weights of step \d failed too: "
+                     r".*No space left on device", errors[0]), errors[0]
