@@ -202,7 +202,8 @@ def test_a_failed_weight_export_is_written_again_by_the_resumed_run(tmp_path, ch
     again = recipe(resume_from_checkpoint=True)
     again.train()
     again.cleanup()
-    assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["epoch_1", "epoch_2"]
+    assert sorted(p.name for p in (tmp_path / "run" / "hf").glob("epoch_*")) == ["epoch_1",
+                                                                                "epoch_2"]
 
 
 def test_a_resume_must_build_the_checkpoints_model(tmp_path, checkpoint):
