@@ -133,23 +133,28 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         return _run(args)
     except KeyboardInterrupt:
-        print(f"dualkv{'' if args is None else ' ' + args.command}: interrupted",
-              file=sys.stderr)
+        print(f"{_prog(args)}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dualkv ... | head`: the reader left; say nothing more
-        try:  # (and let the interpreter's final flush of stdout find no pipe to fail on)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):  # stdout is no file (captured)
-            pass
+        _drop_stdout()
         return 1
     except OSError as e:  # the output cannot be written (`> /dev/full`, a full disk)
-        print(f"dualkv{'' if args is None else ' ' + args.command}: error: {e}",
-              file=sys.stderr)
-        try:  # nothing more for the interpreter's final flush to fail on
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        print(f"{_prog(args)}: error: {e}", file=sys.stderr)
+        _drop_stdout()
         return 1
+
+
+def _prog(args) -> str:
+    return "dualkv" if args is None else f"dualkv {args.command}"
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush finds nothing to fail
+    on (no pipe, no full disk)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (captured)
+        pass
 
 
 def _run(args) -> int:
