@@ -17,7 +17,7 @@ __all__ = ["merge_into", "supports"]
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the reference path runs instead
+except ImportError:  # CPU-only installs: the SDPA-per-segment path runs instead
     triton = None
 
 _ROWS, _WARPS = 32, 4

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..layout.packing import PackedBatch
 from ..recompiles import bounded_recompiles
-from ..reference import reference_shared_prefix_attention
+from .sdpa_segments import sdpa_shared_prefix_attention
 from ..stats import counters, log_once
 from . import flash_regions  # noqa: F401  (registers torch.ops.dualkv.flash_regions_attention)
 from .block_mask import shared_prefix_block_mask
@@ -169,4 +169,4 @@ def shared_prefix_attention(
         raise ValueError(
             f"kernel_options={kernel_options!r} apply to the CUDA kernel only; q is on {q.device}"
         )
-    return reference_shared_prefix_attention(q, k, v, packed, scale=scale)
+    return sdpa_shared_prefix_attention(q, k, v, packed, scale=scale)

@@ -330,7 +330,7 @@ class RolloutEngine:
             done += n
             self.stats["decode_steps"] += n
         # the steps skipped after every row stopped still draw their noise, so that a call
-        # leaves the generator where the reference sampler (and any steps_per_graph) leaves it
+        # leaves the generator where the uncached sampler (and any steps_per_graph) leaves it
         for _ in range(steps - done):
             draw_noise(ws.cache.noise, gen)
 

@@ -1,4 +1,4 @@
-"""shared_prefix_attention on CPU (the SDPA reference path) against causal SDPA on the
+"""shared_prefix_attention on CPU (the SDPA-per-segment path) against causal SDPA on the
 replicated rows, fp64: outputs and dq/dk/dv."""
 
 import zlib

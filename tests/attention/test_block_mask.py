@@ -1,6 +1,6 @@
 """The analytic BlockMask: its mask_mod against an oracle built from the rows, its full/partial
 block lists against the dense mask, and eager flex_attention (forward, CPU) against the
-reference path."""
+SDPA-per-segment path."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from dualkv_compile.attention.block_mask import (
     shared_prefix_mask_mod,
     visible_until,
 )
-from dualkv_compile.reference import reference_shared_prefix_attention
+from dualkv_compile.attention.sdpa_segments import sdpa_shared_prefix_attention
 from dualkv_compile.testing import make_batch, random_qkv, rel_err
 from dualkv_compile.tools.bench_mask_forms import interval_mask_mod, segment_mask_mod
 
@@ -107,7 +107,7 @@ def test_eager_flex_forward_matches_reference(hq, hkv):
     q, k, v, _ = random_qkv(pb, hq, hkv, 16, dtype=torch.float64, device="cpu", generator=g)
     bm = shared_prefix_block_mask(pb, "cpu")
     out = flex_attention(q, k, v, block_mask=bm, enable_gqa=hq != hkv)
-    ref = reference_shared_prefix_attention(q, k, v, pb)
+    ref = sdpa_shared_prefix_attention(q, k, v, pb)
     assert rel_err(out, ref) < 1e-12
 
 

@@ -7,7 +7,7 @@ import torch
 import dualkv_compile as dk
 import dualkv_compile.attention.op  # noqa: F401  (registers the region ops)
 from dualkv_compile.attention.registry import FLEX_KERNELS, KERNELS, attention_kernel
-from dualkv_compile.reference import reference_shared_prefix_attention
+from dualkv_compile.attention.sdpa_segments import sdpa_shared_prefix_attention
 from dualkv_compile.testing import make_batch, tiny_model
 
 
@@ -45,7 +45,7 @@ def test_region_kernels_run_their_op_and_flex_kernels_have_none(name):
                for h in (4, 2, 2))
     out = kernel.graph_op()(q, k, v, packed.segment_ids[0], packed.prefix_segment_ids[0],
                             8 ** -0.5)[0]
-    want = reference_shared_prefix_attention(q, k, v, packed, scale=8 ** -0.5)
+    want = sdpa_shared_prefix_attention(q, k, v, packed, scale=8 ** -0.5)
     valid = torch.ones(packed.seq_len, dtype=torch.bool)
     valid[slice(*packed.padding_span)] = False  # padding positions are unspecified
     assert (out - want)[..., valid, :].abs().max() < 1e-12

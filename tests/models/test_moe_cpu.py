@@ -175,7 +175,7 @@ def test_grouped_rows_handled_per_token_are_exact():
 def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe(grouped):
     from dualkv_compile.models import use_grouped_experts
     from dualkv_compile.rollout import RolloutEngine
-    from dualkv_compile.rollout.reference import reference_generate
+    from dualkv_compile.rollout.uncached import uncached_generate
 
     model = moe(seed=1)
     if grouped:
@@ -184,7 +184,7 @@ def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe(grou
     prompts[1, :4] = 0
     kw = dict(group_size=3, max_generated_tokens=8, pad_id=0, top_p=0.9)
     ours = RolloutEngine(model).generate(prompts, rng=torch.Generator().manual_seed(4), **kw)
-    theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(4), **kw)
+    theirs = uncached_generate(model, prompts, rng=torch.Generator().manual_seed(4), **kw)
     assert torch.equal(ours, theirs)
 
 

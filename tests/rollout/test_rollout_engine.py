@@ -1,5 +1,5 @@
 """The rollout engine on CPU in float64: its decode attention equals dense masked softmax, its
-tokens equal the no-cache reference sampler's for the same generator (several groups,
+tokens equal the uncached sampler's for the same generator (several groups,
 left-padded prompts of different lengths, a stop token, N=1, top-k, top-p) on every model
 family optimize() accepts, and bad input is refused by name."""
 
@@ -12,7 +12,7 @@ from dualkv_compile.models import qwen3
 from dualkv_compile.rollout import (RolloutEngine, SamplingParams, decode_attention,
                                     prompt_bucket, sample)
 from dualkv_compile.rollout.cache import prompt_splits
-from dualkv_compile.rollout.reference import reference_generate
+from dualkv_compile.rollout.uncached import uncached_generate
 from dualkv_compile.testing import same_dtype_numerics, tiny_model
 
 PAD, EOS, VOCAB = 0, 1, 101
@@ -87,7 +87,7 @@ def generate_both(model, prompts, **kw):
                            share_prompt=kw.pop("share_prompt", True))
     ours = engine.generate(prompts, pad_id=PAD, rng=torch.Generator().manual_seed(seed), **kw)
     assert engine._workspace.cache.prompt_k[0].shape[1] == 2  # split-KV exercised
-    theirs = reference_generate(model, prompts, pad_id=PAD,
+    theirs = uncached_generate(model, prompts, pad_id=PAD,
                                 rng=torch.Generator().manual_seed(seed), **kw)
     return ours, theirs
 
@@ -118,7 +118,7 @@ def test_stop_token_pads_the_rest_and_ends_early():
     engine = RolloutEngine(model, steps_per_graph=4)
     ours = engine.generate(prompts, group_size=4, max_generated_tokens=40, pad_id=PAD,
                            stop_tokens=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
-    theirs = reference_generate(model, prompts, group_size=4, max_generated_tokens=40, pad_id=PAD,
+    theirs = uncached_generate(model, prompts, group_size=4, max_generated_tokens=40, pad_id=PAD,
                                 stop_tokens=EOS, temperature=3.0, rng=torch.Generator().manual_seed(3))
     assert torch.equal(ours, theirs)
     assert (ours == EOS).any(1).all()
@@ -137,7 +137,7 @@ def test_several_stop_tokens_end_a_row_at_the_first_of_them():
               temperature=3.0)
     ours = RolloutEngine(model, steps_per_graph=4).generate(
         prompts, **kw, rng=torch.Generator().manual_seed(5))
-    theirs = reference_generate(model, prompts, **kw, rng=torch.Generator().manual_seed(5))
+    theirs = uncached_generate(model, prompts, **kw, rng=torch.Generator().manual_seed(5))
     assert torch.equal(ours, theirs)
     is_stop = (ours == EOS) | (ours == 5)
     first = [row.nonzero()[0].item() for row in is_stop]
@@ -155,7 +155,7 @@ def test_weights_updated_in_place_are_seen():
     with torch.no_grad():
         model.layers[0].mlp.w1.weight.mul_(-3.0)
     after = run()
-    fresh = reference_generate(model, prompts, group_size=2, max_generated_tokens=6, pad_id=PAD,
+    fresh = uncached_generate(model, prompts, group_size=2, max_generated_tokens=6, pad_id=PAD,
                                rng=torch.Generator().manual_seed(0))
     assert torch.equal(after, fresh) and not torch.equal(before, after)
 
@@ -171,13 +171,13 @@ def test_a_replaced_or_removed_layer_is_seen(family):
     changed = model_of(family, seed=9)
     layers[1] = (changed.layers if family == "qwen3" else changed.model.layers)[1]
     ours = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
-    assert torch.equal(ours, reference_generate(model, prompts, rng=torch.Generator().manual_seed(0),
+    assert torch.equal(ours, uncached_generate(model, prompts, rng=torch.Generator().manual_seed(0),
                                                 **kw))
     del layers[1]
     if family == "hf_llama":
         model.config.num_hidden_layers = 1
     ours = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
-    assert torch.equal(ours, reference_generate(model, prompts, rng=torch.Generator().manual_seed(0),
+    assert torch.equal(ours, uncached_generate(model, prompts, rng=torch.Generator().manual_seed(0),
                                                 **kw))
     assert engine.stats["model_reads"] == 2
 
@@ -310,7 +310,7 @@ def test_a_prompt_bucket_past_the_context_is_harmless():
     prompts = torch.randint(2, VOCAB, (2, 98), generator=torch.Generator().manual_seed(0))
     ours = RolloutEngine(model).generate(prompts, group_size=2, max_generated_tokens=2,
                                          pad_id=PAD, rng=torch.Generator().manual_seed(1))
-    theirs = reference_generate(model, prompts, group_size=2, max_generated_tokens=2, pad_id=PAD,
+    theirs = uncached_generate(model, prompts, group_size=2, max_generated_tokens=2, pad_id=PAD,
                                 rng=torch.Generator().manual_seed(1))
     assert prompt_bucket(98) > 100 and torch.equal(ours, theirs)
 
@@ -327,7 +327,7 @@ def test_a_call_leaves_the_generator_where_the_reference_does(steps_per_graph):
     ours, theirs = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     for _ in range(2):
         a = engine.generate(prompts, rng=ours, **kw)
-        b = reference_generate(model, prompts, rng=theirs, **kw)
+        b = uncached_generate(model, prompts, rng=theirs, **kw)
         assert torch.equal(a, b) and torch.equal(ours.get_state(), theirs.get_state())
     assert engine.stats["decode_steps"] < 2 * 39  # decoding stopped early
 
@@ -338,7 +338,7 @@ def test_a_call_under_inference_mode_leaves_the_engine_usable():
     with torch.inference_mode():
         engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
     again = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
-    assert torch.equal(again, reference_generate(model_of("hf_qwen3"), prompts,
+    assert torch.equal(again, uncached_generate(model_of("hf_qwen3"), prompts,
                                                  rng=torch.Generator().manual_seed(0), **kw))
 
 
@@ -349,7 +349,7 @@ def test_a_resized_vocabulary_is_seen_by_the_next_call():
     engine.generate(prompts, **kw)
     model.resize_token_embeddings(VOCAB + 27, mean_resizing=False)
     out = engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
-    assert torch.equal(out, reference_generate(model, prompts,
+    assert torch.equal(out, uncached_generate(model, prompts,
                                                rng=torch.Generator().manual_seed(0), **kw))
 
 
@@ -377,7 +377,7 @@ def test_shorter_prompts_reuse_the_held_workspace():
     for prompts, workspaces, capacity in [(long, 1, 48), (short, 1, 48), (shortest, 2, 16),
                                           (long, 3, 48)]:
         ours = engine.generate(prompts, rng=torch.Generator().manual_seed(5), **kw)
-        theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(5), **kw)
+        theirs = uncached_generate(model, prompts, rng=torch.Generator().manual_seed(5), **kw)
         cache = engine._workspace.cache
         assert torch.equal(ours, theirs)
         assert engine.stats["workspaces"] == workspaces
@@ -395,7 +395,7 @@ def test_release_frees_the_workspace_and_the_next_call_samples_the_same():
     assert engine._workspace is None and engine.kv_bytes() == 0
     again = engine.generate(prompts, rng=torch.Generator().manual_seed(5), **kw)
     assert engine.stats["workspaces"] == 2 and torch.equal(again, first)
-    assert torch.equal(again, reference_generate(model, prompts,
+    assert torch.equal(again, uncached_generate(model, prompts,
                                                  rng=torch.Generator().manual_seed(5), **kw))
 
 
@@ -409,7 +409,7 @@ def test_calls_alternating_between_two_shapes_keep_both_workspaces(max_workspace
     two, one = ragged_prompts(groups=2), ragged_prompts(groups=1, seed=3)
     for i, prompts in enumerate([two, one, two, one]):
         ours = engine.generate(prompts, rng=torch.Generator().manual_seed(i), **kw)
-        theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(i), **kw)
+        theirs = uncached_generate(model, prompts, rng=torch.Generator().manual_seed(i), **kw)
         assert torch.equal(ours, theirs), i
     assert engine.stats["workspaces"] == allocated
     assert len(engine._held) == min(max_workspaces, 2)

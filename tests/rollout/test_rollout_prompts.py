@@ -8,7 +8,7 @@ import torch
 
 from dualkv_compile.rollout import RolloutEngine
 from dualkv_compile.rollout import prompt_mask_of
-from dualkv_compile.rollout.reference import reference_generate
+from dualkv_compile.rollout.uncached import uncached_generate
 from test_rollout_engine import PAD, VOCAB, model_of, ragged_prompts
 
 EOS = 7  # the pad_id below: HFTokenizer pads with eos when the tokenizer names no pad token
@@ -21,7 +21,7 @@ def run(model, prompts, pad_id=EOS, seed=3, **kw):
     args = dict(group_size=3, max_generated_tokens=8, pad_id=pad_id, temperature=1.5) | kw
     tokens, logprobs = RolloutEngine(model).generate(
         prompts, rng=torch.Generator().manual_seed(seed), return_logprobs=True, **args)
-    theirs = reference_generate(model, prompts, rng=torch.Generator().manual_seed(seed), **args)
+    theirs = uncached_generate(model, prompts, rng=torch.Generator().manual_seed(seed), **args)
     return tokens, logprobs, theirs
 
 
@@ -31,7 +31,7 @@ def test_a_pad_id_inside_a_prompt_is_a_token(family):
     inside, inside_lp, inside_ref = run(model, INSIDE)
     left, left_lp, left_ref = run(model, LEFT)
     assert torch.equal(inside, inside_ref) and torch.equal(left, left_ref)
-    # the prompts differ, so do their samples, in the engine and in the reference (the oracle)
+    # the prompts differ, so do their samples, in the engine and in the uncached sampler
     assert not torch.equal(inside_lp, left_lp)
     assert not torch.equal(inside_ref, left_ref)
     # as with a pad_id the prompt does not hold (no stop token: pad_id fills nothing)

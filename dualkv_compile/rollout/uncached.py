@@ -1,4 +1,4 @@
-"""The reference sampler the engine is tested against: no cache, no sharing. Each step runs the
+"""The uncached sampler the engine is tested against: no cache, no sharing. Each step runs the
 model's own forward over every replicated row's whole sequence (padded prompt + the tokens so
 far, the padding masked out) and samples the last position with the engine's sampler and the
 same draws."""
@@ -13,7 +13,7 @@ from torch import Tensor
 from ..numerics import accumulation_dtype
 from .sampling import SamplingParams, sample, stop_ids, stop_mask
 
-__all__ = ["reference_generate"]
+__all__ = ["uncached_generate"]
 
 
 def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
@@ -40,7 +40,7 @@ def _last_logits(model, tokens: Tensor, valid: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def reference_generate(model, prompts: Tensor, *, group_size: int, max_generated_tokens: int,
+def uncached_generate(model, prompts: Tensor, *, group_size: int, max_generated_tokens: int,
                        pad_id: int, temperature: float = 1.0, top_k: int | None = None,
                        top_p: float | None = None, stop_tokens: int | Sequence[int] | None = None,
                        rng: torch.Generator | None = None,

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layout.packing import PackedBatch
+from ..layout.packing import PackedBatch
 
-__all__ = ["reference_shared_prefix_attention"]
+__all__ = ["sdpa_shared_prefix_attention"]
 
 
 def _causal(q, k, v, lo, hi, scale):
@@ -46,7 +46,7 @@ def _responses(q, k, v, prompt: tuple[int, int], spans, scale) -> tuple[Tensor, 
     return out.transpose(0, 1)[:, valid], idx[valid]  # [H, tokens, D], [tokens]
 
 
-def reference_shared_prefix_attention(
+def sdpa_shared_prefix_attention(
     q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch, *, scale: float | None = None
 ) -> Tensor:
     """q [1, Hq, T, D], k/v [1, Hkv, T, D] -> [1, Hq, T, D]. Padding positions attend causally
