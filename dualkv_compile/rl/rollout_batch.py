@@ -40,7 +40,7 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
     sampling settings go to each `engine.generate`. Under FSDP2 the weights are gathered once
     for all calls, and a rank with G = 0 (no rows this round) still joins that gathering,
     returning empty tensors."""
-    stops = _stop_ids(stop_tokens, engine.decoder.vocab_size)
+    stops = stop_ids(stop_tokens, engine.decoder.vocab_size)
     group_size = integer_arg("group_size", group_size, 1)
     # the prompt is what the engine samples from: pad_id only in leading and trailing runs
     prompt_mask = prompt_mask_of(prompts, pad_id)
@@ -78,11 +78,5 @@ def truncated_responses(tokens: Tensor, mask: Tensor, *, prompt_len: int,
     without a stop token, cut at max_generated_tokens (with no stop tokens, every response).
     DAPO's overlong filtering keeps these out of the loss. stop_tokens as rollout_batch's."""
     response = tokens[:, prompt_len:]
-    return ~(stop_mask(response, _stop_ids(stop_tokens)) & mask[:, prompt_len:]).any(1)
+    return ~(stop_mask(response, stop_ids(stop_tokens)) & mask[:, prompt_len:]).any(1)
 
-
-def _stop_ids(stop_tokens, vocab: int | None = None) -> tuple[int, ...]:
-    """stop_ids, where an empty list or tuple (a tokenizer without stop tokens) is none too."""
-    if isinstance(stop_tokens, (list, tuple)) and not stop_tokens:
-        return ()
-    return stop_ids(stop_tokens, vocab)

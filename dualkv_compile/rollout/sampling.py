@@ -87,7 +87,8 @@ def sample(logits: Tensor, noise: Tensor, params: SamplingParams) -> Tensor:
 
 def stop_ids(stop_tokens, vocab: int | None = None) -> tuple[int, ...]:
     """The ids that end a response, as a sorted tuple (empty: none) from None, one id, or
-    several (a generation config's eos_token_id list); each checked against [0, vocab)."""
+    several (a generation config's eos_token_id list; an empty one, as a tokenizer without
+    stop tokens gives, is none); each checked against [0, vocab)."""
     if stop_tokens is None:
         return ()
     if as_index(stop_tokens) is not None or not hasattr(stop_tokens, "__iter__"):
@@ -101,8 +102,6 @@ def stop_ids(stop_tokens, vocab: int | None = None) -> tuple[int, ...]:
             where = f"[0, {vocab})" if vocab is not None else "[0, vocab)"
             raise ValueError(f"stop_tokens={stop_tokens!r} is not a token id (or ids) in {where}")
         ids.append(i)
-    if not ids:
-        raise ValueError("stop_tokens=[] names no token; pass None for no stop token")
     return tuple(sorted(set(ids)))
 
 
