@@ -8,8 +8,8 @@ from torch import Tensor, nn
 
 from .hf_config import SEQUENCE_DEPENDENT_ROPE, rope_types, sliding_window
 
-__all__ = ["HF_FAMILIES", "adapter_for", "has_dropout", "hf_decoder", "token_vocabulary",
-           "torchtune_head_weight"]
+__all__ = ["HF_FAMILIES", "adapter_for", "check_library_forward", "has_dropout", "hf_decoder",
+           "token_vocabulary", "torchtune_head_weight"]
 
 
 # the name of the hook transformers' enable_input_require_grads() registers (a local function;
@@ -75,6 +75,19 @@ def _own_class(module) -> type:
     return cls
 
 
+def check_library_forward(module, library: str, role: str) -> None:
+    """dualkv runs `module`'s parts itself (its layers, norm and head), as `library`'s forward
+    does; a subclass whose forward does more would have that part silently skipped: refuse."""
+    cls = _own_class(module)
+    owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
+    if not owner.__module__.startswith(library + "."):
+        raise ValueError(f"{role} {cls.__name__} overrides forward "
+                         f"({owner.__module__}.{owner.__qualname__}.forward); dualkv runs its "
+                         f"embedding, layers, norm and LM head itself, as {library}'s forward "
+                         f"does, so that override would not run. Move the change into a module "
+                         f"the forward calls (a layer, the norm), or do not subclass")
+
+
 def _check_head(weight_module, name: str) -> None:
     """response_logprobs applies the head's weight itself (lm_head/), so the head must be a
     plain linear map: nn.Linear or torchtune's TiedLinear as they are, without a bias."""
@@ -132,6 +145,7 @@ class _Torchtune:
             raise ValueError("optimize() trains without KV caches; call model.reset_caches() / "
                              "do not set up caches on the model passed in")
         _check_head(model.output, "model.output")
+        check_library_forward(model, "torchtune", "the torchtune decoder")
 
     def body(self, model, tokens, positions, mask=None):
         h = model.tok_embeddings(tokens)
@@ -250,6 +264,7 @@ class _HuggingFace:
                 raise ValueError(f"optimize() applies the LM head as a plain linear map; this "
                                  f"model's config sets {key}={value}")
         _check_head(model.get_output_embeddings(), "get_output_embeddings()")
+        check_library_forward(model, "transformers", "the causal LM")
 
     def body(self, model, tokens, positions, mask=None):
         base = hf_decoder(model)
@@ -303,6 +318,8 @@ class _HuggingFace:
 
     def check_layer_region(self, model):
         _check_outside_modules(model.get_input_embeddings(), hf_decoder(model).norm)
+        check_library_forward(hf_decoder(model), "transformers",
+                              "compile_region='layer' runs the decoder by layer:")
 
 
 def torchtune_head_weight(model) -> Tensor:

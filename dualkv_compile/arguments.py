@@ -1,13 +1,17 @@
-"""How the public entry points read an integer argument: one rule for what counts as an int,
-one error that names the argument and its value."""
+"""How the public entry points read an integer or real argument: one rule for what counts as
+an int or a number, one error that names the argument and its value."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 import torch
 
-__all__ = ["as_index", "integer_arg"]
+__all__ = ["MIN_TEMPERATURE", "as_index", "as_real", "integer_arg", "real_arg", "temperature_arg"]
+
+MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon; far smaller ones overflow logits / T
 
 
 def as_index(value) -> int | None:
@@ -31,3 +35,31 @@ def integer_arg(name: str, value, low: int | None = None, high: int | None = Non
                  f" >= {low}" if low is not None else f" < {high}" if high is not None else "")
         raise ValueError(f"{name}={value!r} must be an integer{bound}")
     return i
+
+
+def as_real(value) -> float | None:
+    """value as a float if it is a real number (not a bool, a string or a tensor), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def real_arg(name: str, value, low: float = -math.inf, high: float = math.inf) -> float:
+    """value as a finite float in [low, high], else a ValueError naming the argument."""
+    x = as_real(value)
+    if x is None or not (math.isfinite(x) and low <= x <= high):
+        bound = (f" in [{low}, {high}]" if math.isfinite(low) and math.isfinite(high) else
+                 f" >= {low}" if math.isfinite(low) else f" <= {high}" if math.isfinite(high)
+                 else "")
+        raise ValueError(f"{name}={value!r} must be a finite number{bound}")
+    return x
+
+
+def temperature_arg(value) -> float:
+    """A sampling or logprob temperature: one rule for the rollout and the policy update."""
+    x = as_real(value)
+    if x is None or not MIN_TEMPERATURE <= x < math.inf:
+        raise ValueError(f"temperature={value!r} must be a finite number >= {MIN_TEMPERATURE} "
+                         f"(logits / temperature overflows float32 below that; there is no "
+                         f"greedy mode)")
+    return x

@@ -40,7 +40,12 @@ def sliding_window(cfg) -> str | None:
         return f"layer_types={kinds}, sliding_window={window}"
     if kinds and _field(cfg, "model_type") in _WINDOW_BY_LAYER_TYPE:
         return None  # every layer full: its attention reads the window only on sliding layers
-    uses = _field(cfg, "use_sliding_window", window is not None)
+    if not isinstance(cfg, dict):
+        # a model's config after its post-init: Mistral's and Qwen3-MoE's attention read
+        # config.sliding_window itself (a value set after the post-init, as from_pretrained's
+        # keyword overrides do, is used whatever use_sliding_window says)
+        return f"sliding_window={window}" if window else None
+    uses = _field(cfg, "use_sliding_window", window is not None)  # config.json: the post-init's
     if window and uses:
         return f"use_sliding_window={uses}, sliding_window={window}"
     return None

@@ -304,13 +304,15 @@ class DualKVModel(nn.Module):
 
         return self._response_head(tokens, prompt_len, padding_mask, head,
                                    lambda empty: (empty.new_zeros(()), empty),
-                                   getattr(token_loss, "response_shape", None))
+                                   getattr(token_loss, "response_shape", None),
+                                   getattr(token_loss, "response_mask", None))
 
-    def _response_head(self, tokens, prompt_len, padding_mask, head, on_empty, shape=None):
+    def _response_head(self, tokens, prompt_len, padding_mask, head, on_empty, shape=None,
+                       loss_mask=None):
         """head(states [M, d] predicting the M valid response tokens, the LM-head weight, their
         targets [M], their flat positions [M] in [B, L - prompt_len]), run inside the model's
-        forward (where FSDP2 has all-gathered the weight). `shape`: what the token loss was
-        built for, checked against [B, L - prompt_len]."""
+        forward (where FSDP2 has all-gathered the weight). `shape` and `loss_mask`: what the
+        token loss was built for, checked against [B, L - prompt_len] and the padding mask."""
         self._check_tokens(tokens)
         prompt_len = checked_prompt_len(prompt_len, tokens.shape[1])
         want = (tokens.shape[0], tokens.shape[1] - prompt_len)
@@ -319,6 +321,8 @@ class DualKVModel(nn.Module):
                              f"these tokens have {want} ([B, L - prompt_len])")
         padding_mask = None if padding_mask is None else as_padding_mask(padding_mask)
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        if loss_mask is not None:
+            _check_loss_mask(loss_mask, mask[:, prompt_len:])
         if prompt_len == tokens.shape[1]:  # no response columns
             self._pack(tokens, prompt_len, padding_mask)  # still validates the input
             weight = self._adapter.lm_head_weight(self.model)
@@ -345,3 +349,16 @@ class DualKVModel(nn.Module):
                         self._adapter.lm_head_weight(self.model), targets, dst)
 
         return self._packed_or_dense(packed, dense)
+
+
+def _check_loss_mask(loss_mask: Tensor, response_mask: Tensor) -> None:
+    """A token the loss's mask counts must be one the padding mask keeps: the LM head
+    evaluates only those, while the loss's normaliser would count the others too."""
+    outside = loss_mask.to(response_mask.device) & ~response_mask
+    if outside.any():
+        first = outside.nonzero()[0].tolist()
+        raise ValueError(f"token_loss's mask counts {int(outside.sum())} token(s) that "
+                         f"padding_mask marks as padding (the first at [row, response column] "
+                         f"{first}): they would count in the loss's normaliser without a "
+                         f"logprob; build the loss with mask = padding_mask[:, prompt_len:] "
+                         f"or a subset of it")

@@ -12,8 +12,8 @@ import torch.fx as fx
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["REWRITTEN", "Refusal", "eliminate_dead_code", "example", "may_write", "op_name",
-           "source_line", "pass_uuid"]
+__all__ = ["REWRITTEN", "Refusal", "arg_of", "eliminate_dead_code", "example", "may_write",
+           "op_name", "source_line", "pass_uuid"]
 
 
 class Refusal(Exception):
@@ -38,6 +38,19 @@ def op_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return node.target
     return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
+
+
+# keyword spellings torch accepts for one argument (numpy's axis for dim)
+_ALIASES = {"dim": ("dim", "axis")}
+
+
+def arg_of(node: fx.Node, pos: int, keys, default=None):
+    """An argument of `node`, by keyword (any of `keys`, with torch's aliases) or at `pos`."""
+    keys = (keys,) if isinstance(keys, str) else keys
+    for key in (alias for k in keys for alias in _ALIASES.get(k, (k,))):
+        if key in node.kwargs:
+            return node.kwargs[key]
+    return node.args[pos] if len(node.args) > pos else default
 
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,

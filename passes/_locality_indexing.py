@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ._common import example, op_name
+from ._common import arg_of, example, op_name
 
 __all__ = ["IndexingRules"]
 
@@ -21,6 +21,11 @@ class IndexingRules:
             ax = self.tok(src)
             return ax[idx] if isinstance(ax, (list, tuple)) else None
         idx = idx if isinstance(idx, tuple) else (idx,)
+        for i in idx:  # a list index is advanced indexing (it may add dims): no rule here
+            v = example(i) if isinstance(i, fx.Node) else i
+            if isinstance(v, bool) or not (v is None or v is Ellipsis or isinstance(
+                    v, (int, torch.SymInt, slice, Tensor))):
+                self.refuse(node, f"no rule for the index {i!r} ({type(v).__name__})")
         def width(i):  # input dims an index consumes: a boolean mask, as many as it has
             if isinstance(i, fx.Node) and isinstance(example(i), Tensor) and (
                     example(i).dtype == torch.bool):
@@ -76,7 +81,7 @@ class IndexingRules:
     def cat(self, node, out):
         tensors = node.args[0]
         name = op_name(node)
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        dim = arg_of(node, 1, "dim", 0)
         axes = {self.tok(t) for t in tensors}
         if None in axes and len(axes) > 1:
             self.refuse(node, "it joins token data with a tensor that has its own sequence axis")
@@ -94,7 +99,7 @@ class IndexingRules:
     def split(self, node, ax, inp, out):
         name = op_name(node)
         pos = {"chunk": 2, "split": 2, "tensor_split": 2, "unbind": 1}[name]
-        dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else 0) % inp.dim()
+        dim = arg_of(node, pos, "dim", 0) % inp.dim()
         if dim == ax:
             self.refuse(node, "it splits along the sequence axis")
         if name == "unbind":

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import (REWRITTEN, Refusal, example, op_name, regions_ops,
+from ._common import (REWRITTEN, Refusal, arg_of, example, op_name, regions_ops,
                       source_line, token_local_ops)
 from ._locality_indexing import IndexingRules
 
@@ -75,7 +75,7 @@ class _Proof(IndexingRules):
         raise Refusal(f"cannot prove `{op_name(node)}` at {source_line(node)} token-local: {why}")
 
     def dim_arg(self, node, pos, key, ndim, default=None):
-        d = node.kwargs.get(key, node.args[pos] if len(node.args) > pos else default)
+        d = arg_of(node, pos, key, default)
         if d is None:
             return None
         ds = list(d) if isinstance(d, (list, tuple)) else [d]
@@ -126,7 +126,7 @@ class _Proof(IndexingRules):
 
     def repeat_interleave(self, node, ax, inp):
         repeats = node.kwargs.get("repeats", node.args[1] if len(node.args) > 1 else None)
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+        dim = arg_of(node, 2, "dim")
         if dim is None or isinstance(repeats, fx.Node) or not isinstance(repeats, int):
             self.refuse(node, "only a constant repeat count along a named dim has a rule")
         if dim % inp.dim() == ax:  # each token's rows stay together, `repeats` times as many
@@ -182,11 +182,13 @@ class _Proof(IndexingRules):
     def permute(self, node, ax, inp):
         name = op_name(node)
         if name in ("transpose", "swapaxes", "swapdims"):
-            d0, d1 = (d % inp.dim() for d in node.args[1:3])
+            d0 = arg_of(node, 1, ("dim0", "axis0"))
+            d1 = arg_of(node, 2, ("dim1", "axis1"))
+            d0, d1 = d0 % inp.dim(), d1 % inp.dim()
             return d1 if ax == d0 else d0 if ax == d1 else ax
         if name == "t":
             return 1 - ax
-        dims = node.args[1:] if name == "permute" else ()
+        dims = node.args[1:] or (node.kwargs.get("dims"),)
         if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
             dims = dims[0]
         dims = [d % inp.dim() for d in dims]
@@ -208,11 +210,16 @@ class _Proof(IndexingRules):
         if ta is not None:
             if ta == ea.dim() - 1:
                 self.refuse(node, "it contracts over the sequence axis")
-            ax, other = out.dim() - (ea.dim() - ta), (b, eb)
+            # [..., n, k] @ [k] drops a's last dim, which lies after the tokens
+            ax = ta if eb.dim() == 1 else out.dim() - (ea.dim() - ta)
+            other = (b, eb)
         else:
             if (eb.dim() >= 2 and tb == eb.dim() - 2) or eb.dim() == 1:
                 self.refuse(node, "it contracts over the sequence axis")
-            ax, other = out.dim() - (eb.dim() - tb), (a, ea)
+            # [k] @ [..., k, m] drops b's second-to-last dim: only a last-dim axis moves
+            ax = (tb - 1 if tb == eb.dim() - 1 else tb) if ea.dim() == 1 else (
+                out.dim() - (eb.dim() - tb))
+            other = (a, ea)
         # a batch dim of the other operand aligned with the tokens must broadcast (size 1):
         # otherwise it is a per-position table not fed from the packed layout
         name, val = other[0], other[1]
@@ -338,14 +345,21 @@ class _Proof(IndexingRules):
     def run(self, graph: fx.Graph):
         for node in graph.nodes:
             self._inner_out = None
-            ax = self.visit(node)
+            try:
+                ax = self.visit(node)
+            except Refusal:
+                raise
+            except Exception as e:  # noqa: BLE001 - a rule met a form it does not read
+                self.refuse(node, f"its arguments do not have a form the rule reads "
+                                  f"({type(e).__name__}: {e})")
             if ax is not None:
                 self.axis[node] = ax
                 inner = self._inner_out if self._inner_out is not None else self._common_inner(node)
                 if inner != 1:
                     self.inner[node] = inner
                 out = example(node)
-                if isinstance(out, Tensor) and isinstance(ax, int) and out.shape[ax] != self.t * inner:
+                if isinstance(out, Tensor) and isinstance(ax, int) and not (
+                        0 <= ax < out.dim() and out.shape[ax] == self.t * inner):
                     self.refuse(node, f"lost track of the sequence axis (axis {ax} of "
                                       f"{tuple(out.shape)} is not T={self.t} x {inner})")
 

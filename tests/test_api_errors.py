@@ -34,6 +34,53 @@ def grpo_inputs(tokens, mask, p):
     return old, ref, adv, resp
 
 
+def test_a_loss_mask_wider_than_the_padding_mask_is_refused(setup):
+    # a mask counting padding tokens was taken silently: they weighed in the normaliser
+    # ("token", "sequence") while the LM head never evaluated them
+    wrapper, tokens, mask, p = setup
+    old, ref, adv, resp = grpo_inputs(tokens, mask, p)
+    assert not resp.all()
+    for aggregation in ("token", "sequence"):
+        every = GRPOLoss(aggregation=aggregation).token_loss(old, ref, adv, torch.ones_like(resp))
+        with pytest.raises(ValueError, match=r"counts \d+ token\(s\) that padding_mask marks "
+                                             r"as padding \(the first at .* \[0, \d+\]\)"):
+            wrapper.response_loss(tokens, prompt_len=p, padding_mask=mask, token_loss=every)
+    subset = resp.clone()
+    subset[0] = False  # a subset (DAPO's overlong filtering) runs
+    wrapper.response_loss(tokens, prompt_len=p, padding_mask=mask,
+                          token_loss=GRPOLoss().token_loss(old, ref, adv, subset))
+
+
+@pytest.mark.parametrize("temperature, match", [
+    (1e-40, "temperature=1e-40 must be a finite number >= 1e-05"),
+    (float("inf"), "temperature=inf"),
+    (True, "temperature=True"),
+    ("0.7", "temperature='0.7'"),
+])
+def test_temperature_follows_the_rollout_rule(setup, temperature, match):
+    # 1e-40 gave NaN logprobs and inf a uniform distribution, without an error
+    wrapper, tokens, mask, p = setup
+    old, ref, adv, resp = grpo_inputs(tokens, mask, p)
+    with pytest.raises(ValueError, match=match):
+        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
+                                  temperature=temperature)
+    with pytest.raises(ValueError, match=match):
+        wrapper.response_loss(tokens, prompt_len=p, padding_mask=mask, temperature=temperature,
+                              token_loss=GRPOLoss().token_loss(old, ref, adv, resp))
+    with pytest.raises(ValueError, match=match):
+        dk.rollout.SamplingParams(temperature=temperature)
+
+
+def test_chunked_logprobs_refuses_a_bad_chunk_or_target_count():
+    from dualkv_compile.lm_head.logprobs import chunked_logprobs
+
+    h, w = torch.randn(5, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="chunk_size=-1 must be an integer >= 1"):
+        chunked_logprobs(h, w, torch.zeros(5, dtype=torch.long), chunk_size=-1)
+    with pytest.raises(ValueError, match=r"targets \(4,\) must be \[M\] with M = 5"):
+        chunked_logprobs(h, w, torch.zeros(4, dtype=torch.long))
+
+
 # ---- GRPOLoss.token_loss closures ----------------------------------------------------------
 def test_token_loss_refuses_the_padding_mask_for_the_response_mask(setup):
     # the [B, L] padding mask instead of mask[:, P:] used to give a wrong loss silently: the
@@ -181,11 +228,13 @@ def test_pack_reads_integers_by_the_one_rule(setup, kw, match):
 
 
 def test_api_md_signatures_match_the_code():
-    text = API.read_text()
+    text = " ".join(API.read_text().split()).replace("( ", "(")  # a signature may wrap
     for sig in [plain_signature("GRPOLoss", GRPOLoss),
                 plain_signature("overlong_penalty", overlong_penalty),
-                plain_signature("token_loss", GRPOLoss.token_loss,
-                                {"old_logprobs": "old", "ref_logprobs": "ref"})]:
+                plain_signature("loss_fn", GRPOLoss.__call__),
+                plain_signature("loss_fn.token_loss", GRPOLoss.token_loss),
+                plain_signature("loss_fn.stats", GRPOLoss.stats),
+                plain_signature("GRPOLoss.token_loss", GRPOLoss.token_loss)]:
         assert sig in text, sig
 
 

@@ -88,6 +88,20 @@ def test_unsupported_models_are_named():
                            "use_sliding_window": True, "sliding_window": 3})
     assert not sliding_window({"model_type": "qwen3", "layer_types": ["full_attention"],
                                "use_sliding_window": True, "sliding_window": 3})
+    # a window set after the config's post-init (from_pretrained(path, sliding_window=4)
+    # does that): Qwen3-MoE's model uses it though use_sliding_window stays False; the
+    # layer-by-layer path and the rollout engine once ran it as full attention
+    from dualkv_compile.rollout import RolloutEngine
+    from dualkv_compile.testing import tiny_model
+
+    model = tiny_model("hf_qwen3_moe")
+    assert not model.config.use_sliding_window and model.config.sliding_window is None
+    model.config.sliding_window = 4
+    for region in ("model", "layer"):
+        with pytest.raises(ValueError, match="sliding windows \\(sliding_window=4\\)"):
+            dk.optimize(model, dk.DualKVConfig(compile_region=region))
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        RolloutEngine(model)
     cfg = tf.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     model = tf.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")

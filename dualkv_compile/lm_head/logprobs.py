@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import chunk_stats_kernel
+from ..arguments import integer_arg, temperature_arg
 from ..numerics import accumulation_dtype
 from ..recompiles import bounded_recompiles
 
@@ -203,9 +204,10 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [M, d] and weight [V, d] expected, got {tuple(hidden.shape)} "
                          f"and {tuple(weight.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r} must be > 0")
-    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
+    temperature, chunk_size = temperature_arg(temperature), integer_arg("chunk_size", chunk_size, 1)
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must be [M] with M = {hidden.shape[0]}")
+    return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_size)
 
 
 def _checked(losses, logprobs: Tensor) -> Tensor:
@@ -305,8 +307,7 @@ def chunked_token_loss(hidden: Tensor, weight: Tensor, targets: Tensor, token_lo
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [M, d] and weight [V, d] expected, got {tuple(hidden.shape)} "
                          f"and {tuple(weight.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r} must be > 0")
+    temperature, chunk_size = temperature_arg(temperature), integer_arg("chunk_size", chunk_size, 1)
     if index is None:
         index = torch.arange(hidden.shape[0], device=hidden.device)
     if index.shape != targets.shape or targets.shape != hidden.shape[:1]:

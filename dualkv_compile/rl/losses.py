@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..arguments import integer_arg, real_arg
+
 __all__ = ["GRPOLoss", "group_advantages", "groups_with_signal", "overlong_penalty"]
 
 
@@ -40,6 +42,24 @@ def groups_with_signal(rewards: Tensor) -> Tensor:
     return (rewards != rewards[:, :1]).any(1)
 
 
+def _at_tokens(mask: Tensor, *values: Tensor) -> list[Tensor]:
+    """Each [B, R] value with 0 at padding: padding may hold anything (NaN, -inf), which a
+    weight of 0 would not cancel (NaN * 0), in the loss or in its gradient."""
+    return [torch.where(mask, v, torch.zeros_like(v)) for v in values]
+
+
+def _check_tensors(**named) -> None:
+    for name, value in named.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(value).__name__}")
+
+
+def _check_mask(mask) -> None:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a bool tensor (True = a response token), got {got}")
+
+
 def overlong_penalty(lengths: Tensor, *, max_len: int, cache_len: int) -> Tensor:
     """DAPO soft overlong punishment: 0 up to max_len - cache_len tokens, then falling linearly
     to -1 at max_len, -1 beyond."""
@@ -62,33 +82,41 @@ class GRPOLoss:
     when high > low). kl_coef: weight of the KL penalty to the reference policy.
     aggregation: "sequence" (GRPO: mean over each response's tokens, then over responses),
     "token" (DAPO: mean over all response tokens of the batch) or "constant" (Dr. GRPO: the
-    sum over response tokens divided by responses x the response width R, the maximum length,
-    so that no response's tokens weigh more for its being short; TRL's loss_type="dr_grpo").
+    sum over response tokens divided by responses x max_response_len, so that no response's
+    tokens weigh more for its being short; TRL's loss_type="dr_grpo", whose divisor is
+    max_completion_length). max_response_len: that constant; None takes the width R of the
+    responses passed, which rl.rollout_batch pads to max_generated_tokens (the recipe's case),
+    but a batch trimmed to its longest response would change the divisor.
     """
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     kl_coef: float = 0.04
     aggregation: str = "sequence"
+    max_response_len: int | None = None
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={self.aggregation!r} must be one of {AGGREGATIONS}")
-        if self.epsilon_low < 0 or self.epsilon_high < 0 or self.kl_coef < 0:
-            raise ValueError(f"epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high} "
-                             f"and kl_coef={self.kl_coef} must be >= 0")
+        for name in ("epsilon_low", "epsilon_high", "kl_coef"):
+            setattr(self, name, real_arg(name, getattr(self, name), 0.0))
+        if self.max_response_len is not None:
+            self.max_response_len = integer_arg("max_response_len", self.max_response_len, 1)
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor,
                  advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """logprobs/old/ref [B, R], advantages [B], mask [B, R] (True = response token).
         Returns (loss, stats) with stats kl, clip_fraction and ratio (detached means)."""
+        _check_tensors(logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                       advantages=advantages, mask=mask)
         shapes = [tuple(t.shape) for t in (logprobs, old_logprobs, ref_logprobs, mask)]
         if len(set(shapes)) > 1 or advantages.shape != logprobs.shape[:1]:
             raise ValueError(f"GRPOLoss needs logprobs, old, ref and mask of one shape [B, R] and "
                              f"advantages [B]; got {shapes[:3]}, {shapes[3]} and "
                              f"{tuple(advantages.shape)}")
+        _check_mask(mask)
         adv = advantages[:, None].expand_as(logprobs)
-        per_token = self._per_token(logprobs, old_logprobs, ref_logprobs, adv)
+        per_token = self._per_token(*_at_tokens(mask, logprobs, old_logprobs, ref_logprobs), adv)
         loss = (per_token * self.token_weights(mask).to(per_token.dtype)).sum()
         return loss, self.stats(logprobs, old_logprobs, ref_logprobs, mask)
 
@@ -98,7 +126,11 @@ class GRPOLoss:
         if self.aggregation == "token":
             return m / m.sum().clamp_min(1)
         if self.aggregation == "constant":
-            return m / (m.shape[0] * m.shape[1])
+            width = m.shape[1] if self.max_response_len is None else self.max_response_len
+            if m.shape[1] > width:
+                raise ValueError(f"responses of width {m.shape[1]} exceed "
+                                 f"max_response_len={width}")
+            return m / (m.shape[0] * width)
         return m / (m.sum(1, keepdim=True).clamp_min(1) * m.shape[0])
 
     def token_loss(self, old_logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor,
@@ -107,8 +139,10 @@ class GRPOLoss:
         `DualKVModel.response_loss` takes: (logprobs [M], flat index [M] into [B, R]) -> [M].
         old/ref/mask are [B, R] (mask: the response mask, not the [B, L] padding mask) and
         advantages [B], of the rows response_loss gets. The function carries `response_shape`
-        = (B, R), which response_loss compares with its tokens' (B, L - prompt_len): a flat
-        index into another shape would read other tokens' values without an error."""
+        = (B, R) and `response_mask`, which response_loss checks against its tokens'
+        (B, L - prompt_len) and their padding mask."""
+        _check_tensors(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                       advantages=advantages, mask=mask)
         shapes = {name: tuple(x.shape) for name, x in [
             ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
             ("advantages", advantages), ("mask", mask)]}
@@ -117,6 +151,7 @@ class GRPOLoss:
                 or shapes["advantages"] != br[:1]):
             raise ValueError(f"token_loss needs old_logprobs, ref_logprobs and mask of one "
                              f"shape [B, R] and advantages [B]; got {shapes}")
+        _check_mask(mask)
         weights = (self.token_weights(mask) * scale).flatten()
         old, ref = old_logprobs.flatten(), ref_logprobs.flatten()
         adv = advantages[:, None].expand_as(old_logprobs).flatten()
@@ -125,7 +160,10 @@ class GRPOLoss:
             per_token = self._per_token(logprobs, old[index], ref[index], adv[index])
             return per_token * weights[index].to(per_token.dtype)
 
-        loss.response_shape = br
+        # response_loss checks both against its tokens: a flat index into another shape
+        # would read other tokens' values, and a mask token the padding mask leaves out would
+        # count in the normaliser while the LM head never evaluates it
+        loss.response_shape, loss.response_mask = br, mask
         return loss
 
     def _ratio_kl(self, logprobs, old_logprobs, ref_logprobs):
@@ -149,7 +187,8 @@ class GRPOLoss:
         the loss takes for its advantage's sign) and the ratio."""
         m = mask.to(logprobs.dtype)
         n = m.sum().clamp_min(1)
-        ratio, clipped, kl = self._ratio_kl(logprobs, old_logprobs, ref_logprobs)
+        ratio, clipped, kl = self._ratio_kl(*_at_tokens(mask, logprobs, old_logprobs,
+                                                        ref_logprobs))
         return {"kl": (kl * m).sum() / n,
                 "clip_fraction": ((ratio != clipped).to(m.dtype) * m).sum() / n,
                 "ratio": (ratio * m).sum() / n}

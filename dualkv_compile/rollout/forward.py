@@ -20,7 +20,8 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from ..adapters import hf_decoder, token_vocabulary, torchtune_head_weight
+from ..adapters import (check_library_forward, hf_decoder, token_vocabulary,
+                        torchtune_head_weight)
 from ..hf_config import rope_types, sliding_window
 from ..numerics import accumulation_dtype
 
@@ -216,6 +217,14 @@ class _HFDecoder(_Modules):
         return self.model.lm_head(self.base.norm(h)).to(accumulation_dtype(h.dtype))
 
 
+def _library_forward(module: nn.Module, library: str, role: str) -> None:
+    """The engine runs the model by layer: a forward override would not run (adapters')."""
+    try:
+        check_library_forward(module, library, role)
+    except ValueError as e:
+        raise _refuse(module, str(e)) from None
+
+
 def decoder_for(model: nn.Module):
     """The engine's view of `model`, or a ValueError naming the model and what is missing."""
     try:
@@ -223,12 +232,15 @@ def decoder_for(model: nn.Module):
     except ImportError:  # torchtune is a dependency; transformers models work without it
         TransformerDecoder = ()
     if TransformerDecoder and isinstance(model, TransformerDecoder):
+        _library_forward(model, "torchtune", "the torchtune decoder")
         return _TorchtuneDecoder(model)
     try:
         from transformers import PreTrainedModel
     except ImportError:
         PreTrainedModel = ()
     if PreTrainedModel and isinstance(model, PreTrainedModel):
+        _library_forward(model, "transformers", "the causal LM")
+        _library_forward(hf_decoder(model), "transformers", "the decoder")
         return _HFDecoder(model)
     raise _refuse(model, f"{type(model).__module__}.{type(model).__name__} is neither a torchtune "
                          "TransformerDecoder nor a transformers causal LM")

@@ -10,19 +10,15 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..arguments import as_index, integer_arg
+from ..arguments import MIN_TEMPERATURE, as_index, as_real, integer_arg, temperature_arg
 
-__all__ = ["MIN_TEMPERATURE", "SamplingParams", "draw_noise", "sample", "stop_ids", "stop_mask", "stop_table"]
-
-
-MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon; far smaller ones overflow logits / T
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "draw_noise", "sample", "stop_ids", "stop_mask",
+           "stop_table"]
 
 
 @dataclass(frozen=True)
@@ -32,26 +28,15 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self):
-        temperature = _real(self.temperature)
-        if temperature is None or not MIN_TEMPERATURE <= temperature < math.inf:
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= "
-                             f"{MIN_TEMPERATURE} (logits / temperature overflows float32 below "
-                             f"that; there is no greedy mode)")
-        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "temperature", temperature_arg(self.temperature))
         if self.top_k is not None:  # stored as an int: it is part of the compiled step's key
             object.__setattr__(self, "top_k", integer_arg("top_k", self.top_k, 1))
         if self.top_p is not None:
-            top_p = _real(self.top_p)
+            top_p = as_real(self.top_p)
             if top_p is None or not 0 < top_p <= 1:
                 raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1] or None")
             object.__setattr__(self, "top_p", top_p)
 
-
-def _real(value) -> float | None:
-    """value as a float if it is a real number (not a bool, a string or a tensor), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
 
 
 def draw_noise(noise: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -82,9 +82,45 @@ def _linear_over_tokens(x):  # a linear layer that contracts the sequence axis
     return x + torch.nn.functional.linear(x.transpose(1, 2), mix).transpose(1, 2)
 
 
+def _vector_right(x):  # [T, D] @ [D] -> [T]: the tokens stay on axis 0, then a sum over them
+    return x + 1e-2 * (x[0] @ torch.ones(x.shape[2], dtype=x.dtype)).sum(0)
+
+
+def _vector_right_softmax(x):
+    w = torch.ones(x.shape[2], dtype=x.dtype)
+    return x + torch.softmax(x[0] @ w, 0)[None].amax()
+
+
+def _vector_left(x):  # [D] @ [D, T] -> [T]
+    return x + 1e-2 * (torch.ones(x.shape[2], dtype=x.dtype) @ x[0].mT).sum(0)
+
+
+def _batched_vector(x):  # [T, T, D] @ [D]: tokens on axis 1 of the product
+    b, t, d = x.shape
+    return x + 1e-2 * (x.expand(t, t, d) @ torch.ones(d, dtype=x.dtype)).sum(1)[None, :, None]
+
+
+def _list_index(x):  # a list index is advanced indexing: [T, T, D], the tokens on axis 1
+    return x + 1e-2 * x[[0] * x.shape[1]].sum(1)[None]
+
+
+def _stack_axis(x):  # numpy's axis= for dim=
+    b, t, d = x.shape
+    y = x[:, :, None, :].expand(b, t, t, d)
+    return x + 1e-2 * torch.stack([y, y], axis=3).sum(1)[:, :, 0]
+
+
+def _cat_axis(x):
+    b, t, d = x.shape
+    y = x[:, :, None, :].expand(b, t, t, d)
+    return x + 1e-2 * torch.cat([y, y], axis=3).sum(1)[..., :d]
+
+
 @pytest.mark.parametrize("mix", [_mT, _setitem, _matvec, _norm_positional, _std_positional,
                                  _bool_mask, _empty_dims, _keepdims, _norm_over_tokens,
-                                 _topk_over_tokens, _linear_over_tokens],
+                                 _topk_over_tokens, _linear_over_tokens, _vector_right,
+                                 _vector_right_softmax, _vector_left, _batched_vector,
+                                 _list_index, _stack_axis, _cat_axis],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_token_mixing_is_refused(mix):
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
@@ -127,10 +163,18 @@ def _positional_inplace_statement(x):  # F.relu(y, True): the flag by position
     return y
 
 
+def _vector_gate(x):  # a per-token gate through [T, D] @ [D]: token-local, kept
+    return x * torch.sigmoid(x @ torch.linspace(-1, 1, x.shape[2], dtype=x.dtype))[..., None]
+
+
+def _keyword_dims(x):  # permute(dims=...), transpose(dim0=, dim1=): token-local, kept
+    return x.permute(dims=(0, 2, 1)).transpose(dim0=1, dim1=2) * 1.5
+
+
 @pytest.mark.parametrize("mix", [_mul_statement, _relu_statement, _view_statement,
-                                 _positional_inplace_statement],
+                                 _positional_inplace_statement, _vector_gate, _keyword_dims],
                          ids=lambda f: f.__name__.lstrip("_"))
-def test_in_place_statements_are_kept(mix):
+def test_token_local_statements_are_kept_exact(mix):
     model, tokens, mask, p = _mixed_model(mix)
     weights = torch.randn(tokens.shape[0], tokens.shape[1] - p, dtype=torch.float64,
                           generator=torch.Generator().manual_seed(1))
@@ -209,3 +253,49 @@ def test_a_data_dependent_branch_falls_back_with_its_reason():
     ours = wrapped.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert "one graph" in wrapped.dense_reason
     assert (ours - row_by_row_response_logprobs(model, tokens, mask, p)).abs().max() < 1e-10
+
+
+def test_a_rule_that_cannot_read_its_op_refuses(monkeypatch):
+    # a rule meeting an argument form it does not read must refuse (fallback="dense" then
+    # runs the plain model), not end the compile with its own exception
+    from dualkv_compile.passes import token_locality
+
+    def unreadable(self, node, ax, inp):
+        raise KeyError("dims")
+
+    monkeypatch.setattr(token_locality._Proof, "permute", unreadable)
+    model, tokens, mask, p = _mixed_model(lambda x: x)
+    with torch.no_grad(), pytest.raises(Refusal, match="do not have a form the rule reads"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ours = dk.optimize(model, dk.DualKVConfig(fallback="dense")).response_logprobs(
+            tokens, prompt_len=p, padding_mask=mask)
+        theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert (ours - theirs).abs().max() < 1e-10
+
+
+def _overriding_subclass(model):
+    """The model as an instance of a subclass whose forward adds a token-mixing cumsum."""
+    base = type(model)
+
+    def forward(self, *args, **kwargs):
+        out = base.forward(self, *args, **kwargs)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        return logits + logits.cumsum(1)
+
+    model.__class__ = type(f"Cumsum{base.__name__}", (base,), {"forward": forward})
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "hf_qwen3"])
+def test_a_forward_override_is_refused(family):
+    # optimize() and the rollout engine run the model's parts themselves: an override of the
+    # model's forward would be skipped without a word
+    model = _overriding_subclass(same_dtype_numerics(tiny_model(family)).double())
+    tokens, mask, p = make_batch([7, 3], [[4, 2], [3]], vocab=90,
+                                 generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"overrides forward .*Cumsum.*would not run"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    with pytest.raises(ValueError, match=r"rollout engine cannot run .*overrides forward"):
+        dk.rollout.RolloutEngine(model)

@@ -87,6 +87,40 @@ def test_per_token_form_equals_the_loss(aggregation):
     assert torch.allclose(g_tok, g_loss, rtol=1e-14, atol=1e-16) and (g_tok[~mask] == 0).all()
 
 
+def test_constant_aggregation_divides_by_max_response_len_whatever_the_padding():
+    # TRL's dr_grpo divides by max_completion_length: the same rows padded wider give the
+    # same loss; without max_response_len the divisor is the width passed
+    g = torch.Generator().manual_seed(1)
+    lp = torch.randn(2, 3, dtype=torch.float64, generator=g)
+    old, adv = lp + 0.1, torch.tensor([1.0, -0.5], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    wide = [torch.cat([x, x.new_zeros(2, 4)], 1) for x in (lp, old, mask)]
+    fixed = GRPOLoss(aggregation="constant", max_response_len=8)
+    assert torch.equal(fixed(lp, old, lp, adv, mask)[0],
+                       fixed(wide[0], wide[1], wide[0], adv, wide[2])[0])
+    by_width = GRPOLoss(aggregation="constant")
+    assert torch.isclose(by_width(lp, old, lp, adv, mask)[0] * 3 / 8,
+                         fixed(lp, old, lp, adv, mask)[0], rtol=1e-14)
+
+
+def test_padding_values_do_not_reach_the_loss_or_its_gradient():
+    # padding may hold NaN or -inf old/ref logprobs (a user's buffers); a weight of 0 does
+    # not cancel NaN, so the [B, R] form once returned NaN where the per-token form did not
+    g = torch.Generator().manual_seed(2)
+    lp = torch.randn(2, 4, dtype=torch.float64, generator=g).requires_grad_()
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    clean = lp.detach() + 0.2
+    loss_fn = GRPOLoss(kl_coef=0.1, epsilon_high=0.28)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    want, want_stats = loss_fn(lp, clean, clean, adv, mask)
+    for fill in (float("nan"), float("-inf"), float("inf")):
+        dirty = torch.where(mask, clean, torch.full_like(clean, fill))
+        loss, stats = loss_fn(lp, dirty, dirty, adv, mask)
+        assert torch.equal(loss, want) and all(torch.equal(stats[k], want_stats[k]) for k in stats)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(grad).all() and (grad[~mask] == 0).all()
+
+
 def test_kl_term_is_k3_and_its_gradient_pulls_to_the_reference():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0]])
@@ -108,7 +142,22 @@ def test_bad_loss_settings():
         GRPOLoss(epsilon_low=-0.1)
     with pytest.raises(ValueError, match="epsilon_high=-0.1"):
         GRPOLoss(epsilon_high=-0.1)
+    for kw, match in [(dict(epsilon_high=float("nan")), "epsilon_high=nan"),
+                      (dict(kl_coef=float("inf")), "kl_coef=inf"),
+                      (dict(epsilon_low="0.2"), "epsilon_low='0.2' must be a finite number"),
+                      (dict(aggregation="constant", max_response_len=0), "max_response_len=0")]:
+        with pytest.raises(ValueError, match=match):
+            GRPOLoss(**kw)
     lp, mask = torch.zeros(4, 3), torch.ones(4, 3, dtype=torch.bool)
+    for bad in (mask.double(), mask.long()):  # a weight, not a mask: refused, not renormalised
+        with pytest.raises(ValueError, match="mask must be a bool tensor"):
+            GRPOLoss()(lp, lp, lp, torch.ones(4), bad)
+        with pytest.raises(ValueError, match="mask must be a bool tensor"):
+            GRPOLoss().token_loss(lp, lp, torch.ones(4), bad)
+    with pytest.raises(ValueError, match="old_logprobs must be a tensor, got list"):
+        GRPOLoss().token_loss(lp.tolist(), lp, torch.ones(4), mask)
+    with pytest.raises(ValueError, match=r"width 3 exceed max_response_len=2"):
+        GRPOLoss(aggregation="constant", max_response_len=2)(lp, lp, lp, torch.ones(4), mask)
     with pytest.raises(ValueError, match=r"advantages \[B\]; got .* and \(3,\)"):
         GRPOLoss()(lp, lp, lp, torch.ones(3), mask)
     with pytest.raises(ValueError, match=r"one shape \[B, R\]"):
