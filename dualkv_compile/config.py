@@ -26,7 +26,8 @@ class DualKVConfig:
         a multiple of 128, the FlexAttention block size.
     bucket_growth: 1 keeps every multiple of pad_to as a bucket; above 1, buckets grow
         geometrically by this factor (packing.bucket_length), which bounds the compiles when
-        lengths vary widely (1.1: about 7 buckets per doubling of T, <= 10% padding).
+        lengths vary widely (1.1: about 7 buckets per doubling of T, at most
+        (growth - 1) x T + pad_to tokens of padding: 11% from T = 8K on).
     attention_backend: the CUDA attention kernel: "auto" (FLASH where flash-attn-4 imports on
         sm_90/sm_100, else Triton, logged once), "flash" (raises where it cannot run),
         "triton", "regions" (no flex: dense cuDNN calls over the two KV regions, merged by

@@ -4,13 +4,16 @@ Running the model on the packed sequence is exact only if no op other than the (
 attention mixes tokens. The proof follows the token axis of every tensor from the packed
 inputs (tokens and positions, axis 1) through the graph:
 
-- ops with a rule here keep the axis where the rule says (pointwise with broadcasting, linear,
+- ops with a rule here (and in _locality_indexing.py, _locality_products.py) keep the axis
+  where the rule says (pointwise with broadcasting, linear,
   embedding, norms and reductions over other dims, views, transposes, indexing that leaves the
   axis whole, cat/stack/split along other dims, matmul that does not contract over tokens,
   the shared-prefix attention: flex_attention or the regions op);
 - an op that reduces, slices, gathers, shifts or contracts along the token axis, or that meets
   a tensor carrying its own full-length sequence axis (positions made by arange rather than
-  fed from the packed layout), or any op without a rule, is refused naming the op and line.
+  fed from the packed layout), or any op without a rule, is refused naming the op and line;
+- so are ops that only share a rule's name (custom ops, allow_in_graph functions), results
+  written through out=, and in-place shape changes (they make recorded shapes stale).
 
 Tensors that do not depend on the packed inputs (weights, RoPE tables) pass freely.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import Tensor
 
 from dualkv_compile.stats import counters
@@ -27,6 +31,7 @@ from dualkv_compile.stats import counters
 from ._common import (REWRITTEN, Refusal, arg_of, example, op_name, regions_ops,
                       source_line, token_local_ops)
 from ._locality_indexing import IndexingRules
+from ._locality_products import ProductRules
 
 __all__ = ["prove_token_locality"]
 
@@ -54,9 +59,11 @@ _EXPANDS = {"expand", "expand_as", "broadcast_to"}
 _SHAPE_QUERIES = {"size", "dim", "numel", "_log_api_usage_once", "is_floating_point",
                   "get_device"}
 _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
+_SHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_",
+                   "resize_", "resize_as_", "as_strided_", "set_", "unflatten_", "flatten_"}
 
 
-class _Proof(IndexingRules):
+class _Proof(IndexingRules, ProductRules):
     def __init__(self, graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout: set):
         self.axis: dict[fx.Node, object] = {tokens: 1, positions: 1}
         # tokens per index of the sequence axis: 1, or k where each token's rows were repeated
@@ -101,7 +108,17 @@ class _Proof(IndexingRules):
                     self.refuse(node, f"operand {a.name} has its own sequence axis of length "
                                       f"{v.shape[d]} (e.g. positions from arange); feed packed "
                                       f"positions instead")
+                self.no_length_axis(node, a)
         return found
+
+    def no_length_axis(self, node, a):
+        """A tensor computed in the graph (not a weight or input) with an axis of the packed
+        length T, meeting token data on another axis: arange(T) or ones(D, T), made from the
+        sequence length, which each row had as its own length."""
+        if a.op not in ("placeholder", "get_attr") and self.t > 1 and self.t in example(a).shape:
+            self.refuse(node, f"operand {a.name} {tuple(example(a).shape)} is built in the "
+                              f"graph with an axis of the packed length T={self.t} (e.g. "
+                              f"arange over the sequence); each row has its own length")
 
     def dropout(self, node, out):
         """Dropout in training draws one mask per packed element: the N rows of a group would
@@ -194,72 +211,6 @@ class _Proof(IndexingRules):
         dims = [d % inp.dim() for d in dims]
         return dims.index(ax)
 
-    def matmul(self, node):
-        a, b = node.args[0], node.args[1]
-        ea, eb = example(a), example(b)
-        ta, tb = self.tok(a), self.tok(b)
-        out = example(node)
-        if ta is not None and tb is not None:
-            # a per-token batched product (MoE experts: each token's rows times its experts'
-            # weights) pairs the operands along one batch axis; anything else mixes tokens
-            ba, bb = out.dim() - (ea.dim() - ta), out.dim() - (eb.dim() - tb)
-            if (ba != bb or ta >= ea.dim() - 2 or tb >= eb.dim() - 2
-                    or self.inner_of(a) != self.inner_of(b)):
-                self.refuse(node, "both operands carry tokens (attention written by hand?)")
-            return ba
-        if ta is not None:
-            if ta == ea.dim() - 1:
-                self.refuse(node, "it contracts over the sequence axis")
-            # [..., n, k] @ [k] drops a's last dim, which lies after the tokens
-            ax = ta if eb.dim() == 1 else out.dim() - (ea.dim() - ta)
-            other = (b, eb)
-        else:
-            if (eb.dim() >= 2 and tb == eb.dim() - 2) or eb.dim() == 1:
-                self.refuse(node, "it contracts over the sequence axis")
-            # [k] @ [..., k, m] drops b's second-to-last dim: only a last-dim axis moves
-            ax = (tb - 1 if tb == eb.dim() - 1 else tb) if ea.dim() == 1 else (
-                out.dim() - (eb.dim() - tb))
-            other = (a, ea)
-        # a batch dim of the other operand aligned with the tokens must broadcast (size 1):
-        # otherwise it is a per-position table not fed from the packed layout
-        name, val = other[0], other[1]
-        d = ax - (out.dim() - val.dim())
-        if 0 <= d < val.dim() - 2 and val.shape[d] != 1 and self.t > 1:
-            self.refuse(node, f"operand {getattr(name, 'name', name)} has its own sequence axis "
-                              f"of length {val.shape[d]} (e.g. positions from arange); feed "
-                              f"packed positions instead")
-        return ax
-
-    def token_local_op(self, node):
-        """moe_experts(hidden [S, d], top_k_index [S, k], top_k_weights [S, k], weights...):
-        row s of the output is token s's, by the op's contract, when the three token arguments
-        carry the tokens on axis 0, grouped alike, and no other argument carries them."""
-        tokens, rest = node.args[:3], node.args[3:]
-        if any(self.tok(a) != 0 for a in tokens):
-            self.refuse(node, "its hidden states and routing table must carry the tokens on "
-                              "axis 0 (rows)")
-        if len({self.inner_of(a) for a in tokens}) > 1:
-            self.refuse(node, "its token arguments group their tokens differently")
-        if any(self.tok(a) is not None for a in list(rest) + list(node.kwargs.values())):
-            self.refuse(node, "token data reaches its weight arguments")
-        return 0
-
-    def attention(self, node):
-        """The rewritten attention reads query, key and value by packed index: each must be
-        token data with the tokens on axis 2 ([1, H, T, D]), one index a token (a key made from
-        a position table, say, would be read as if it were one). Returns the axes of (out
-        [1, H, T, D], logsumexp [1, H, T])."""
-        qkv = node.args[:3]
-        for role, arg in zip(("query", "key", "value"), qkv):
-            if self.tok(arg) != 2 or self.inner_of(arg) != 1:
-                self.refuse(node, f"its {role} ({getattr(arg, 'name', arg)}) is not the packed "
-                                  f"tokens' data on axis 2, one index a token")
-        extra = [a for a in node.all_input_nodes if a not in qkv and self.tok(a) is not None]
-        if extra:
-            self.refuse(node, f"token data reaches it outside query, key and value "
-                              f"({', '.join(a.name for a in extra)})")
-        return [2, 2]
-
     # ---- driver ----------------------------------------------------------------------------
     def visit(self, node: fx.Node):
         if node.op in ("placeholder", "get_attr", "output"):
@@ -281,6 +232,14 @@ class _Proof(IndexingRules):
             self.refuse(node, "the model calls flex_attention itself, over the whole packed "
                               "sequence with its own mask; only SDPA attention is rewritten to "
                               "the shared-prefix layout")
+        if node.op == "call_function" and not _library_op(node.target) and (
+                node.target not in token_local_ops()):
+            self.refuse(node, f"it calls {getattr(node.target, '__module__', '?')}.{name}, "
+                              f"not a torch op: a rule is chosen by name, which this op only "
+                              f"shares (a custom op or an allow_in_graph function)")
+        if "out" in node.kwargs:
+            self.refuse(node, "it writes its result into out=, a tensor the proof does not "
+                              "follow")
         if name == "getattr":
             return self.attribute(node, ax, inp, out)
         if name in _SHAPE_QUERIES:
@@ -308,8 +267,11 @@ class _Proof(IndexingRules):
         if name in _MATMUL:
             return self.matmul(node)
         if name == "embedding":
-            ids = node.kwargs.get("input", node.args[0])
-            if self.tok(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")):
+            # F.embedding(input, weight); torch.embedding(weight, indices), ATen's order
+            functional = node.target is F.embedding
+            ids = arg_of(node, 0 if functional else 1, "input" if functional else "indices")
+            weight = arg_of(node, 1 if functional else 0, "weight")
+            if self.tok(weight) is not None:
                 self.refuse(node, "the embedding table carries tokens")
             return self.tok(ids)
         if node.target in token_local_ops():
@@ -344,6 +306,12 @@ class _Proof(IndexingRules):
 
     def run(self, graph: fx.Graph):
         for node in graph.nodes:
+            # the rules read each value's shape as Dynamo recorded it, which a later in-place
+            # shape change (c.transpose_(1, 2)) rewrites: refused wherever it is
+            if node.op in ("call_method", "call_function") and op_name(node) in _SHAPE_IN_PLACE:
+                self.refuse(node, "an in-place shape change makes the recorded shapes the "
+                                  "proof reads stale; use the out-of-place op")
+        for node in graph.nodes:
             self._inner_out = None
             try:
                 ax = self.visit(node)
@@ -372,6 +340,18 @@ class _Proof(IndexingRules):
         if inners and inners != {1} and _is_attention(node):
             self.refuse(node, "attention over grouped tokens")
         return inners.pop() if inners else 1
+
+
+_LIBRARY_MODULES = ("torch", "torch.nn.functional", "torch.functional", "torch._C._nn",
+                    "torch._C._linalg", "torch._C._special", "torch._C._fft",
+                    "torch._ops.aten", "torch._ops.prims", "_operator", "operator", "math",
+                    "builtins")
+
+
+def _library_op(target) -> bool:
+    """The rules are chosen by an op's name: trust it only for torch's own functions and
+    ATen ops, and Python's operators, whose names mean what the rules assume."""
+    return getattr(target, "__module__", None) in _LIBRARY_MODULES
 
 
 def _is_attention(node: fx.Node) -> bool:

@@ -147,7 +147,7 @@ class GRPORecipe(RecipeCheckpoints):
         self.rollout_engine = refused_as_config("model", lambda: RolloutEngine(
             self.model, share_prompt=bool(cfg.dualkv.enabled) if share is None else bool(share),
             steps_per_graph=int(cfg.get("rollout_steps_per_graph", 16))))
-        check_model_fit(cfg, self.tokenizer, self.task, self.rollout_engine.decoder)
+        check_model_fit(cfg, self.tokenizer, self.task, self.rollout_engine.decoder, dcfg)
         self.policy = refused_as_config("dualkv", lambda: dk.optimize(self.model, dcfg))
         self.reference = dk.optimize(self.ref_model, dcfg, share_compiles_with=self.policy)
         self.loss_fn = instantiate_checked("loss", cfg.loss)

@@ -199,6 +199,28 @@ def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: in
     return rank[inverse]
 
 
+def checked_runs(padding_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's prompt as one run of at least one valid token (left or right padded) and its
+    response as one run from column prompt_len (right padded), else ValueError naming the row.
+    Returns the prompts' first columns and lengths and the responses' lengths."""
+    p_first, p_len, p_ok = _contiguous_runs(padding_mask[:, :prompt_len])
+    if not bool(p_ok.all()):
+        row = int((~p_ok).nonzero()[0])
+        raise ValueError(f"padding_mask has a hole inside the prompt of row {row}")
+    if not bool((p_len > 0).all()):
+        row = int((p_len == 0).nonzero()[0])
+        raise ValueError(f"row {row} has no valid prompt token (padding_mask is False there)")
+    r_first, r_len, r_ok = _contiguous_runs(padding_mask[:, prompt_len:])
+    r_ok &= (r_first == 0) | (r_len == 0)
+    if not bool(r_ok.all()):
+        row = int((~r_ok).nonzero()[0])
+        raise ValueError(
+            f"padding_mask has a hole inside the response of row {row}: responses must be "
+            f"right-padded, their real tokens contiguous from column prompt_len={prompt_len}"
+        )
+    return p_first, p_len, r_len
+
+
 def as_padding_mask(mask: Tensor) -> Tensor:
     """A [B, L] padding mask as bool (True = real token): bool as is, integers of 0 and 1 (the
     transformers convention) converted; other values or dtypes refused."""
@@ -247,21 +269,7 @@ def pack(
                          f"shape {(b, l)}")
     padding_mask = padding_mask.to(tokens.device)
 
-    p_first, p_len, p_ok = _contiguous_runs(padding_mask[:, :prompt_len])
-    if not bool(p_ok.all()):
-        row = int((~p_ok).nonzero()[0])
-        raise ValueError(f"padding_mask has a hole inside the prompt of row {row}")
-    if not bool((p_len > 0).all()):
-        row = int((p_len == 0).nonzero()[0])
-        raise ValueError(f"row {row} has no valid prompt token (padding_mask is False there)")
-    r_first, r_len, r_ok = _contiguous_runs(padding_mask[:, prompt_len:])
-    r_ok &= (r_first == 0) | (r_len == 0)
-    if not bool(r_ok.all()):
-        row = int((~r_ok).nonzero()[0])
-        raise ValueError(
-            f"padding_mask has a hole inside the response of row {row}: responses must be "
-            f"right-padded, their real tokens contiguous from column prompt_len={prompt_len}"
-        )
+    p_first, p_len, r_len = checked_runs(padding_mask, prompt_len)
 
     group_of_row = _detect_groups(tokens, p_first, p_len, prompt_len)
     num_groups = int(group_of_row.max()) + 1
@@ -297,7 +305,8 @@ def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> in
     growth 1: the next multiple of `pad_to`. With growth > 1: the next length of the series
     pad_to, b1, b2, ... where each is the smallest multiple of pad_to at least `growth` times
     the one before; lengths between T_min and T_max then meet about
-    log(T_max / T_min) / log(growth) buckets, at the cost of up to (growth - 1) x T padding."""
+    log(T_max / T_min) / log(growth) buckets, at the cost of up to (growth - 1) x T + pad_to
+    tokens of padding."""
     check_bucket_growth(growth)
     t = max(math.ceil(num_tokens / pad_to), 1) * pad_to
     if growth == 1.0:
@@ -306,6 +315,16 @@ def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> in
     while b < t:
         b = max(b + pad_to, math.ceil(b * growth / pad_to) * pad_to)
     return b
+
+
+def bucket_count(max_tokens: int, pad_to: int = 128, growth: float = 1.0,
+                 min_tokens: int = 1) -> int:
+    """How many packed lengths (each a compile) `bucket_length` gives for min..max_tokens."""
+    top, t, n = bucket_length(max_tokens, pad_to, growth), bucket_length(min_tokens, pad_to,
+                                                                          growth), 1
+    while t < top:
+        t, n = bucket_length(t + 1, pad_to, growth), n + 1
+    return n
 
 
 def check_bucket_growth(growth) -> None:

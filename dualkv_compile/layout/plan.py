@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..arguments import integer_arg
 from ..stats import counters, log_once
-from .packing import _contiguous_runs, as_padding_mask, checked_prompt_len, \
+from .packing import _contiguous_runs, as_padding_mask, checked_prompt_len, checked_runs, \
     checked_tokens, prompt_keys
 
 __all__ = ["MicroBatchPlan", "micro_batch_rows", "plan_micro_batches"]
@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class MicroBatchPlan:
     rows: list[list[int]]          # each micro-batch's rows of the rollout batch, in order
-    packed_tokens: list[int]       # each micro-batch's packed (valid) tokens
+    packed_tokens: list[int]       # each micro-batch's packed (valid) tokens (an upper bound
+                                   # where two groups share a prompt: pack() holds it once)
     split_groups: list[int]        # groups whose rows went to more than one micro-batch
 
     def __len__(self) -> int:
@@ -91,6 +92,7 @@ def _checked_batch(padding_mask, prompt_len, group_size) -> tuple[Tensor, int, i
     group_size = integer_arg("group_size", group_size, 1)
     if b % group_size:
         raise ValueError(f"{b} rows do not split into groups of group_size={group_size}")
+    checked_runs(mask, prompt_len)  # what pack() would refuse later, refused before planning
     return mask, prompt_len, group_size
 
 

@@ -22,8 +22,9 @@ def refused_as_config(section: str, build: Callable):
         raise ConfigError([f"{section}: {e}"]) from None
 
 
-def check_model_fit(cfg, tokenizer, task, decoder) -> None:
-    """decoder: the rollout engine's view of the model (vocab_size, max_seq_len)."""
+def check_model_fit(cfg, tokenizer, task, decoder, dualkv=None) -> None:
+    """decoder: the rollout engine's view of the model (vocab_size, max_seq_len); dualkv: the
+    wrappers' DualKVConfig, whose length buckets must stay within their recompile limit."""
     problems = []
     vocab = refused_as_config("model", lambda: decoder.vocab_size)
     if tokenizer.vocab_size > vocab:
@@ -34,5 +35,36 @@ def check_model_fit(cfg, tokenizer, task, decoder) -> None:
         problems.append(f"max_generated_tokens={cfg.max_generated_tokens}: with prompts of up to "
                         f"{prompt} tokens it exceeds the model's context of "
                         f"{decoder.max_seq_len}")
+    if dualkv is not None and dualkv.enabled:
+        problems += _bucket_problems(cfg, tokenizer, task, dualkv)
     if problems:
         raise ConfigError(problems)
+
+
+def _bucket_problems(cfg, tokenizer, task, dualkv) -> list[str]:
+    """Each packed length a micro-batch can take is a compile, fatal past the wrapper's limit:
+    refuse settings whose lengths can exceed it over a long run."""
+    from dualkv_compile.layout.packing import bucket_count
+    from dualkv_compile.optimize import RECOMPILE_LIMIT
+
+    gen, n = cfg.max_generated_tokens, int(cfg.group_size)
+    p_hi = getattr(task, "max_prompt_len", 1)
+    p_lo = getattr(task, "min_prompt_len", None) or 1
+    r_lo = 1 if tokenizer.stop_tokens else gen  # no stop token: every response is full length
+    budget = cfg.get("max_tokens_per_micro_batch")
+    if budget is not None:  # a lone row over the budget packs alone
+        lo, hi = p_lo + r_lo, max(int(budget), p_hi + gen)
+        how = f"max_tokens_per_micro_batch={budget}"
+    else:  # dynamic sampling may leave a micro-batch one group
+        groups = int(cfg.micro_batch_groups)
+        lo = (1 if cfg.get("dynamic_sampling") else groups) * (p_lo + n * r_lo)
+        hi = groups * (p_hi + n * gen)
+        how = f"micro_batch_groups={groups} of {n} rows, prompts of {p_lo}-{p_hi} tokens"
+    count = bucket_count(hi, dualkv.pad_to, dualkv.bucket_growth, min_tokens=lo)
+    if count <= RECOMPILE_LIMIT:
+        return []
+    fewer = bucket_count(hi, dualkv.pad_to, 1.1, min_tokens=lo)
+    return [f"dualkv.bucket_growth={dualkv.bucket_growth}: micro-batches of {lo}-{hi} packed "
+            f"tokens ({how}) can take {count} packed lengths, each a compile, over the "
+            f"{RECOMPILE_LIMIT} the wrapper allows (the run stops when it reaches them); set "
+            f"dualkv.bucket_growth: 1.1 ({fewer} lengths)"]

@@ -59,7 +59,8 @@ class EvenTokensTask(SeededTask):
                              f"{prompt_len}]")
         super().__init__(seed)
         self.tokenizer, self.prompt_len = tokenizer, prompt_len
-        self.min_prompt_len = min_prompt_len
+        self._drawn = min_prompt_len is not None  # lengths drawn (the RNG stream depends on it)
+        self.min_prompt_len = prompt_len if min_prompt_len is None else min_prompt_len
 
     @property
     def max_prompt_len(self) -> int:
@@ -69,7 +70,7 @@ class EvenTokensTask(SeededTask):
         tok = self.tokenizer
         body = torch.randint(3, tok.vocab_size, (n, self.prompt_len - 1), generator=self.generator)
         prompts = torch.cat([torch.full((n, 1), tok.bos_id, dtype=body.dtype), body], 1)
-        if self.min_prompt_len is not None:
+        if self._drawn:
             lengths = torch.randint(self.min_prompt_len, self.prompt_len + 1, (n,),
                                     generator=self.generator)
             start = self.prompt_len - lengths  # bos moves to each prompt's first position

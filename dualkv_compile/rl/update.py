@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..arguments import as_index, integer_arg
 from ..layout.plan import micro_batch_rows
 from . import distributed as ddp
 
@@ -47,7 +48,7 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     if not callable(getattr(policy, "response_loss", None)):
         raise TypeError(f"policy is a {type(policy).__name__}; optimizer_step needs the "
                         "wrapper dualkv_compile.optimize(model) returns (a DualKVModel)")
-    p = prompt_len
+    p = _check_rows(tokens, prompt_len, old=old, ref=ref, advantages=advantages)
     resp_mask = mask[:, p:] if loss_mask is None else _checked_loss_mask(loss_mask, mask[:, p:])
     _, world_size = ddp.world()
     # rows are group-major by construction (rl.rollout_batch), so tokens are not passed for
@@ -99,6 +100,24 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepStats(loss_sum, kl_sum, clip_sum, grad_norm)
+
+
+def _check_rows(tokens: Tensor, prompt_len, **per_row: Tensor) -> int:
+    """Before any micro-batch runs (a later refusal would leave its gradients in .grad): the
+    batch has response columns, and old/ref [B, R] and advantages [B] are the tokens' rows.
+    Returns prompt_len as an int."""
+    b, length = tokens.shape
+    if as_index(prompt_len) == length:
+        raise ValueError(f"prompt_len={prompt_len!r} leaves no response columns in tokens of "
+                         f"width {length}: nothing to train on")
+    prompt_len = integer_arg("prompt_len", prompt_len, 1, length)
+    want = {"old": (b, length - prompt_len), "ref": (b, length - prompt_len), "advantages": (b,)}
+    for name, value in per_row.items():
+        if not isinstance(value, Tensor) or tuple(value.shape) != want[name]:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"{name} must be {list(want[name])} for tokens {[b, length]} with "
+                             f"prompt_len={prompt_len}, got {got}")
+    return prompt_len
 
 
 def _checked_loss_mask(loss_mask: Tensor, response_mask: Tensor) -> Tensor:

@@ -216,6 +216,12 @@ def test_micro_batch_rows_names_a_bad_argument(bad, match):
         dk.micro_batch_rows(mask, **{**ROWS_ARGS, **bad})
 
 
+def _with(mask, index, value):
+    mask = mask.clone()
+    mask[index] = value
+    return mask
+
+
 @pytest.mark.parametrize("fn, args", [(dk.plan_micro_batches, PLAN_ARGS),
                                       (dk.micro_batch_rows, ROWS_ARGS)])
 @pytest.mark.parametrize("make_mask, match", [
@@ -226,6 +232,9 @@ def test_micro_batch_rows_names_a_bad_argument(bad, match):
     (lambda m: m[:, :, None], r"padding_mask must be .*tensor \[B, L\], got Tensor \(4, 9, 1\)"),
     (lambda m: m.tolist(), r"padding_mask must be .*tensor \[B, L\], got list"),
     (lambda m: m[:0], r"padding_mask has no rows \(B=0\)"),
+    # what pack() refuses later, refused before planning (it was planned)
+    (lambda m: _with(m, (0, 6), False), r"hole inside the response of row 0"),
+    (lambda m: _with(m, (0, slice(0, 5)), False), r"row 0 has no valid prompt token"),
 ])
 def test_a_bad_padding_mask_is_named(fn, args, make_mask, match):
     mask, _ = small()

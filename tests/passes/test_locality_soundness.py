@@ -6,6 +6,8 @@ the sequence axis, writes through _foreach_ ops and
 out=, dropout in training, attention keys that are not token data; and in-place statements,
 which the dead-code pass once erased, kept and exact."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -116,18 +118,67 @@ def _cat_axis(x):
     return x + 1e-2 * torch.cat([y, y], axis=3).sum(1)[..., :d]
 
 
+def _arange_on_another_axis(x):  # arange(T) meets the tokens on a new axis, then a sum
+    return x + 1e-3 * (x.unsqueeze(-1) * torch.arange(x.shape[1], dtype=x.dtype)).sum(-1)
+
+
+def _ones_of_length(x):  # a [D, T] constant: a product over it sums every token's column
+    return x + 1e-2 * (x @ torch.ones(x.shape[2], x.shape[1], dtype=x.dtype)).sum(-1, True)
+
+
+def _embedding_of_tokens(x):  # every token reads packed token T-1 through a table of tokens
+    idx = torch.full((1, 1), x.shape[1] - 1, dtype=torch.long)
+    return x + torch.nn.functional.embedding(idx, x[0])
+
+
+def _aten_embedding(x):  # torch.embedding(weight, indices): ATen's argument order
+    t = x.shape[1]
+    return x + torch.embedding(x[0], torch.full((t,), t - 1, dtype=torch.long))[None]
+
+
+def _sum_into_out(x):
+    buf = torch.zeros(x.shape[:2], dtype=x.dtype)
+    torch.sum(x, 2, out=buf)
+    return x + 0.01 * buf.sum(1)[:, None, None]
+
+
+@torch.library.custom_op("dualkv_test::gelu", mutates_args=())
+def _custom_gelu(x: torch.Tensor) -> torch.Tensor:  # named like a pointwise op, mixes tokens
+    return x + x.mean(1, keepdim=True)
+
+
+_custom_gelu.register_fake(lambda x: torch.empty_like(x))
+_custom_gelu.register_autograd(lambda ctx, g: g + g.mean(1, keepdim=True))
+
+
+def _custom_op_named_gelu(x):
+    return torch.ops.dualkv_test.gelu(x)
+
+
+def _stale_shape(x):  # an in-place transpose rewrites the shape Dynamo recorded for c
+    t = x.shape[1]
+    c = 0.01 * torch.arange(t, dtype=x.dtype).view(1, t, 1)
+    y = x + c
+    c.transpose_(1, 2)
+    return y
+
+
 @pytest.mark.parametrize("mix", [_mT, _setitem, _matvec, _norm_positional, _std_positional,
                                  _bool_mask, _empty_dims, _keepdims, _norm_over_tokens,
                                  _topk_over_tokens, _linear_over_tokens, _vector_right,
                                  _vector_right_softmax, _vector_left, _batched_vector,
-                                 _list_index, _stack_axis, _cat_axis],
+                                 _list_index, _stack_axis, _cat_axis, _arange_on_another_axis,
+                                 _ones_of_length, _embedding_of_tokens, _aten_embedding,
+                                 _sum_into_out, _custom_op_named_gelu, _stale_shape],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_token_mixing_is_refused(mix):
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
     model.layers[0].mlp = _Wrap(model.layers[0].mlp, mix)
     tokens, mask, p = make_batch([7, 3], [[4, 2], [3]], vocab=90,
                                  generator=torch.Generator().manual_seed(0))
-    with pytest.raises(Refusal, match="token-local"):
+    # out= with a gradient is refused by PyTorch itself; without one, it must be by the proof
+    grad_mode = torch.no_grad() if mix is _sum_into_out else contextlib.nullcontext()
+    with grad_mode, pytest.raises(Refusal, match="token-local"):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
 
 

@@ -106,3 +106,25 @@ def test_truncated_responses_end_without_a_stop_token():
                                stop_tokens=[eos]).tolist() == [False, True, True, True]
     # with no stop tokens every response is cut at the cap
     assert truncated_responses(tokens, mask, prompt_len=3, stop_tokens=()).all()
+
+
+def test_per_row_inputs_are_checked_before_any_micro_batch_runs():
+    # advantages per group [G] or old logprobs of another batch's rows were indexed per
+    # micro-batch: rows dropped silently, or an IndexError after an earlier micro-batch had
+    # already left its gradients in .grad
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("sequence")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    kw = dict(group_size=2, temperature=T, max_grad_norm=1e9)
+    cases = [((old, ref, adv[::2]), r"advantages must be \[6\] .* got \(3,\)"),
+             ((old, ref, torch.cat([adv, adv])), r"advantages must be \[6\]"),
+             ((torch.cat([old, old]), ref, adv), r"old must be \[6, \d+\]"),
+             ((old, ref[:, 1:], adv), r"ref must be \[6, \d+\]")]
+    for (o, r, a), match in cases:
+        with pytest.raises(ValueError, match=match):
+            optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, o, r, a, **kw)
+        assert all(q.grad is None for q in model.parameters())
+    no_response = tokens.shape[1]
+    empty = old[:, :0]
+    with pytest.raises(ValueError, match="leaves no response columns"):
+        optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, no_response, empty, empty,
+                       adv, **kw)

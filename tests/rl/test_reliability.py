@@ -235,6 +235,10 @@ def test_tune_run_prints_no_torchao_line_before_our_code_runs():
     ("max_generated_tokens=300", "error: max_generated_tokens=300: with prompts of up to 8 "
                                  "tokens it exceeds the model's context of 256"),
     ("model.vocab_size=5", "error: model: its vocabulary holds 5 ids, the tokenizer's 12"),
+    # more packed lengths than the wrapper's recompile limit: once the run's fatal error
+    ("max_tokens_per_micro_batch=100000", "error: dualkv.bucket_growth=1.0: micro-batches of "
+                                          "2-100000 packed tokens (max_tokens_per_micro_batch="
+                                          "100000) can take 782 packed lengths"),
     # these were tracebacks (ValueError: Overflow when unpacking long long; IndexError)
     ("seed=99999999999999999999", "error: seed (command-line override "
                                   "'seed=99999999999999999999'): 99999999999999999999 must be in"),
