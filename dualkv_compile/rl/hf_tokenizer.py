@@ -30,14 +30,22 @@ class HFTokenizer:
         self.stop_tokens = tuple(sorted({self.eos_id, *_generation_eos_ids(Path(path))}))
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = self._tok.bos_token_id
+        # bos where the tokenizer itself adds one (Llama 3), not where it only names one
+        # (GPT-2's bos = eos, a WordLevel tokenizer without a template)
+        self.adds_bos = self.bos_id is not None and (
+            self._tok("0", add_special_tokens=True).input_ids[:1] == [self.bos_id])
+        if self.adds_bos and self.bos_id == self.pad_id:
+            raise ValueError(f"the tokenizer in {path} adds bos id {self.bos_id}, which is also "
+                             f"its pad id: a prompt's bos would be read as left padding")
 
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """The text's ids, after the tokenizer's bos where it adds one (and add_bos)."""
         ids = self._tok.encode(text, add_special_tokens=False)
-        return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+        return ([self.bos_id] if add_bos and self.adds_bos else []) + ids
 
     def decode(self, ids) -> str:
         """The text up to the first stop token, without the padding: the leading and trailing

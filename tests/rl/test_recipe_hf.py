@@ -260,6 +260,11 @@ def test_a_dataset_line_that_is_not_json_is_named(tmp_path, checkpoint):
     ("The answer is .5", "1/2"), ("x = -.5", "-1/2"), ("Answer: \u22127", "-7"),
     ("The point is (1,5)", "5"), ("3/4", "3/4"), ("0.75", "3/4"), ("It is 10.00", "10"),
     ("1,234,567 apples", "1234567"), ("#### 42", "42"), ("so 12.", "12"), ("3/0 and 7", "7"),
+    # MATH's LaTeX and the last \boxed{}; exponents; a hyphen after a digit is no minus (each
+    # once read another number: 2, 4, 2, 3, -3, -5, -5)
+    ("\\frac{1}{2}", "1/2"), ("so \\boxed{\\dfrac{3}{4}} since 4", "3/4"), ("3.14e2", "314"),
+    ("5e3", "5000"), ("x = 1.5e-3", "3/2000"), ("10-5", "5"), ("on 2023-10-05", "5"),
+    ("7, not 1e999999999", "7"),
 ])
 def test_final_number_reads_values(text, value):
     # each of the first five once read another number: 5, 5, 7, 15, 4
@@ -328,3 +333,58 @@ def test_decode_strips_left_padding_when_the_pad_id_is_a_stop_id(checkpoint):
     body = tok.encode("what is 2+2?", add_bos=False)
     row = [tok.pad_id] * 3 + body + [tok.stop_tokens[0]] + [7, 7]
     assert tok.decode(row) == tok.decode(body) != ""
+
+
+def _dataset(tmp_path, *rows):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return str(data)
+
+
+@pytest.mark.parametrize("answer", ["yes", "", None, True, [1, 2]])
+def test_an_answer_without_a_number_is_refused_at_load(tmp_path, checkpoint, answer):
+    # it loaded, and every response then scored 0
+    folder, _ = checkpoint
+    path = _dataset(tmp_path, {"question": "1+1?", "answer": "2"},
+                    {"question": "2+2?", "answer": answer})
+    with pytest.raises(ValueError, match=r"data.jsonl:2: answer .*(no number|string or a number)"):
+        MathJSONLTask(HFTokenizer(str(folder)), path=path)
+
+
+def test_dataset_values_are_read_as_written(tmp_path, checkpoint):
+    folder, _ = checkpoint
+    tok = HFTokenizer(str(folder))
+    # a JSON number 0.00001 (str() gives "1e-05"); a question holding U+2028, which
+    # str.splitlines() took for a line end
+    path = _dataset(tmp_path, {"question": "tiny?\u2028", "answer": 0.00001})
+    task = MathJSONLTask(tok, path=path, prompt_template="{question} \\boxed{} please")
+    prompts, answers = task.sample_prompts(1)
+    assert answers == ["1/100000"]
+    assert prompts[0].tolist() == tok.encode("tiny?\u2028 \\boxed{} please")  # braces as written
+    responses = torch.tensor([tok.encode(text, add_bos=False) + [tok.eos_id]
+                              for text in ("0.00001", "-5.0000")])
+    assert task.rewards(responses, answers * 2).tolist() == [1.0, 0.0]
+    for template in ("no placeholder", "{question} and {question}", 3):
+        with pytest.raises(ValueError, match="must hold {question} once"):
+            MathJSONLTask(tok, path=path, prompt_template=template)
+    with pytest.raises(ValueError, match=r"data.jsonl:1: question None must be a non-empty"):
+        MathJSONLTask(tok, path=_dataset(tmp_path, {"question": None, "answer": "1"}))
+
+
+def test_bos_is_added_where_the_tokenizer_adds_it(tmp_path, checkpoint):
+    from tokenizers import processors
+
+    folder, _ = checkpoint
+    tok = HFTokenizer(str(folder))  # names a bos, adds none itself
+    assert not tok.adds_bos and tok.encode("ab") == tok.encode("ab", add_bos=False)
+    fast = tf.PreTrainedTokenizerFast.from_pretrained(folder)
+    bos = fast.bos_token_id
+    fast.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", bos)])
+    fast.save_pretrained(tmp_path / "adds")
+    tok = HFTokenizer(str(tmp_path / "adds"))
+    assert tok.adds_bos and tok.encode("ab") == [bos, *tok.encode("ab", add_bos=False)]
+    fast.pad_token = "<bos>"  # bos as the pad: a prompt's bos would read as left padding
+    fast.save_pretrained(tmp_path / "bos_pad")
+    with pytest.raises(ValueError, match="also its pad id"):
+        HFTokenizer(str(tmp_path / "bos_pad"))
