@@ -167,6 +167,12 @@ def _check_sdpa(node: fx.Node, args: dict, positions: fx.Node) -> None:
         shape = None if q is None else tuple(q.shape)
         raise Refusal(f"attention at {source_line(node)} has query shape {shape}; the packed "
                       f"layout needs [1, H, T, D]")
+    k, v = example(args["key"]), example(args["value"])
+    heads = tuple(None if x is None or x.dim() != 4 else x.shape[1] for x in (q, k, v))
+    if None in heads or heads[1] != heads[2] or heads[0] % heads[1]:
+        raise Refusal(f"attention at {source_line(node)} has query, key and value heads "
+                      f"{heads}; the shared-prefix kernels need keys and values of one head "
+                      f"count that divides the query's (grouped-query attention)")
     if args["dropout_p"] not in (0, 0.0):
         raise Refusal(f"attention at {source_line(node)} has dropout_p={args['dropout_p']}; "
                       f"attention dropout cannot be reproduced on the packed layout")

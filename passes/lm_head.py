@@ -24,8 +24,9 @@ def prune_lm_head(graph: fx.Graph, vocab_size: int) -> fx.Node:
     out_node = graph.output_node()
     outputs = out_node.args[0]
     logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
-    node = logits
+    node, chain = logits, [out_node]
     while isinstance(node, fx.Node) and op_name(node) in _CASTS:
+        chain.append(node)
         node = node.args[0]
     if not (isinstance(node, fx.Node) and op_name(node) == "linear"):
         raise Refusal(f"the model output is not produced by a linear LM head "
@@ -39,6 +40,12 @@ def prune_lm_head(graph: fx.Graph, vocab_size: int) -> fx.Node:
         raise Refusal(f"the LM head at {source_line(node)} computes its weight "
                       f"({getattr(weight_node, 'name', weight_node)}) from the parameter; "
                       f"response_logprobs applies the weight parameter as it is")
+    for link in [node, *chain[1:]]:  # the logits feed nothing but the output: no in-place
+        others = [u for u in link.users if u not in chain]  # hook (logits.add_(bias)) is lost
+        if others:
+            raise Refusal(f"the LM head's logits at {source_line(node)} are also used by "
+                          f"{others[0].name} ({op_name(others[0])}, e.g. a forward hook on "
+                          f"the head); response_logprobs applies the head's weight alone")
     hidden = node.args[0]
     if isinstance(outputs, (tuple, list)):
         out_node.args = (type(outputs)([hidden, *outputs[1:]]),)

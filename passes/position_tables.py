@@ -80,10 +80,32 @@ def _float_tensor(node) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
 
 
+# casts that return their input itself when nothing changes (x.to(x.dtype) is x)
+_MAYBE_NO_OP = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous",
+                "detach"}
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """`node` is a view of its first argument, or a cast that changes nothing (its input
+    itself): a copy in its place would miss the input's later in-place updates."""
+    if op_name(node) == "getitem":  # a tensor index gathers (a copy), others view
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return not any(isinstance(example(i), Tensor) for i in index if isinstance(i, fx.Node))
+    if op_name(node) in _VIEWS:
+        return True
+    if op_name(node) not in _MAYBE_NO_OP:
+        return False
+    out, inp = example(node), example(node.args[0])
+    return (isinstance(out, Tensor) and isinstance(inp, Tensor) and out.dtype == inp.dtype
+            and out.device == inp.device and out.shape == inp.shape
+            and out.stride() == inp.stride())
+
+
 def _stored_source(node: fx.Node, only: set[fx.Node]) -> fx.Node:
-    """The node that computes what `node` views: up through views and indexing of
-    position-only float tensors, so that one stored table serves every view of it."""
-    while (op_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node)
+    """The node that computes what `node` views: up through views, indexing and no-op casts of
+    position-only float tensors, so that one stored table serves every view of it (and a
+    buffer seen through a view is never replaced by a copy)."""
+    while (node.args and isinstance(node.args[0], fx.Node) and _aliases_input(node)
            and node.args[0] in only and _float_tensor(node.args[0])):
         node = node.args[0]
     return node
