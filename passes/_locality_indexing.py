@@ -79,7 +79,7 @@ class IndexingRules:
         return result
 
     def cat(self, node, out):
-        tensors = node.args[0]
+        tensors = arg_of(node, 0, "tensors")
         name = op_name(node)
         dim = arg_of(node, 1, "dim", 0)
         axes = {self.tok(t) for t in tensors}

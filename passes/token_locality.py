@@ -112,10 +112,11 @@ class _Proof(IndexingRules, ProductRules):
         return found
 
     def no_length_axis(self, node, a):
-        """A tensor computed in the graph (not a weight or input) with an axis of the packed
-        length T, meeting token data on another axis: arange(T) or ones(D, T), made from the
-        sequence length, which each row had as its own length."""
-        if a.op not in ("placeholder", "get_attr") and self.t > 1 and self.t in example(a).shape:
+        """A tensor built in the graph from no input at all (factory ops and constants) with an
+        axis of the packed length T, meeting token data: arange(T) or ones(D, T), made from the
+        sequence length, which each row had as its own. (A tensor computed from a weight or
+        buffer may have that size by chance: RoPE's inv_freq at head dim 256, DoRA's scale.)"""
+        if a in self.built_from_nothing and self.t > 1 and self.t in example(a).shape:
             self.refuse(node, f"operand {a.name} {tuple(example(a).shape)} is built in the "
                               f"graph with an axis of the packed length T={self.t} (e.g. "
                               f"arange over the sequence); each row has its own length")
@@ -311,8 +312,12 @@ class _Proof(IndexingRules, ProductRules):
             if node.op in ("call_method", "call_function") and op_name(node) in _SHAPE_IN_PLACE:
                 self.refuse(node, "an in-place shape change makes the recorded shapes the "
                                   "proof reads stale; use the out-of-place op")
+        self.built_from_nothing = set()
         for node in graph.nodes:
             self._inner_out = None
+            if node.op in ("call_function", "call_method") and all(
+                    i in self.built_from_nothing for i in node.all_input_nodes):
+                self.built_from_nothing.add(node)
             try:
                 ax = self.visit(node)
             except Refusal:

@@ -185,6 +185,7 @@ class GRPOLoss:
         """Token means of the KL estimate, the clipped fraction (tokens whose ratio lies
         outside [1 - epsilon_low, 1 + epsilon_high], whether or not the clipped term is the one
         the loss takes for its advantage's sign) and the ratio."""
+        _check_mask(mask)
         m = mask.to(logprobs.dtype)
         n = m.sum().clamp_min(1)
         ratio, clipped, kl = self._ratio_kl(*_at_tokens(mask, logprobs, old_logprobs,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 from fractions import Fraction
 from functools import cached_property
 from pathlib import Path
@@ -25,7 +26,7 @@ __all__ = ["MathJSONLTask", "final_number"]
 # a number: a sign (ASCII or Unicode minus) unless it follows a digit or letter ("10-5",
 # "2023-10-05" are no negative numbers); digits with thousands separators in groups of three,
 # plain digits, or a leading decimal point; an exponent ("3.14e2") or a fraction bar
-_NUMBER = re.compile(r"(?:(?<![\w.])[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+_NUMBER = re.compile(r"(?:(?<!\w)[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
                      r"(?:[eE][-+]?\d+|/\d+)?")
 # LaTeX fractions of two numbers, as MATH writes answers: \frac{3}{4}, \dfrac{-1}{2}, \tfrac
 _MAX_EXPONENT = 100
@@ -53,7 +54,7 @@ def final_number(text: str) -> str | None:
     as strings."""
     text = text.split("####")[-1]
     boxed = _last_boxed(text)
-    text = _LATEX_FRACTION.sub(r"\1/\2", text if boxed is None else boxed)
+    text = _LATEX_FRACTION.sub(r" \1/\2 ", text if boxed is None else boxed)
     for token in reversed(_NUMBER.findall(text)):
         exponent = token.lower().partition("e")[2]
         if exponent and abs(int(exponent)) > _MAX_EXPONENT:  # 1e999999999: no answer, no hang
@@ -64,6 +65,17 @@ def final_number(text: str) -> str | None:
             continue
         return str(value)
     return None
+
+
+def _check_template(template) -> None:
+    """A str.format template whose only field is {question}; literal braces doubled."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except (TypeError, ValueError, AttributeError):
+        fields = None
+    if not fields or set(fields) != {"question"}:
+        raise ValueError(f"prompt_template={template!r} must be a str.format template whose only "
+                         f"field is {{question}}; write literal braces doubled (\\boxed{{{{}}}})")
 
 
 def _answer_of(raw, where: str) -> str:
@@ -84,9 +96,7 @@ class MathJSONLTask(SeededTask):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"dataset {path} does not exist")
-        if not isinstance(prompt_template, str) or prompt_template.count("{question}") != 1:
-            raise ValueError(f"prompt_template={prompt_template!r} must hold {{question}} once "
-                             f"(the rest is kept as written, braces included)")
+        _check_template(prompt_template)
         self.questions, self.answers = [], []
         # JSON lines end at "\n" only: str.splitlines() also breaks at U+2028 and U+0085,
         # which json.dumps(ensure_ascii=False) leaves inside strings
@@ -108,7 +118,7 @@ class MathJSONLTask(SeededTask):
         self.tokenizer, self.template = tokenizer, prompt_template
 
     def _encode(self, i: int) -> list[int]:
-        return self.tokenizer.encode(self.template.replace("{question}", self.questions[i]))
+        return self.tokenizer.encode(self.template.format(question=self.questions[i]))
 
     @cached_property
     def max_prompt_len(self) -> int:

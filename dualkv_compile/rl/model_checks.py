@@ -44,8 +44,14 @@ def check_model_fit(cfg, tokenizer, task, decoder, dualkv=None) -> None:
 def _bucket_problems(cfg, tokenizer, task, dualkv) -> list[str]:
     """Each packed length a micro-batch can take is a compile, fatal past the wrapper's limit:
     refuse settings whose lengths can exceed it over a long run."""
+    import torch
+
     from dualkv_compile.layout.packing import bucket_count
-    from dualkv_compile.optimize import RECOMPILE_LIMIT
+
+    # Dynamo's cap on the compiled variants of one function (the packed model's), past which
+    # it refuses to compile again; each length compiles up to three of them: the policy's
+    # forward without and with gradients, and the reference's
+    limit, per_length = torch._dynamo.config.accumulated_recompile_limit, 3
 
     gen, n = cfg.max_generated_tokens, int(cfg.group_size)
     p_hi = getattr(task, "max_prompt_len", 1)
@@ -61,10 +67,10 @@ def _bucket_problems(cfg, tokenizer, task, dualkv) -> list[str]:
         hi = groups * (p_hi + n * gen)
         how = f"micro_batch_groups={groups} of {n} rows, prompts of {p_lo}-{p_hi} tokens"
     count = bucket_count(hi, dualkv.pad_to, dualkv.bucket_growth, min_tokens=lo)
-    if count <= RECOMPILE_LIMIT:
+    if count * per_length <= limit:
         return []
     fewer = bucket_count(hi, dualkv.pad_to, 1.1, min_tokens=lo)
     return [f"dualkv.bucket_growth={dualkv.bucket_growth}: micro-batches of {lo}-{hi} packed "
-            f"tokens ({how}) can take {count} packed lengths, each a compile, over the "
-            f"{RECOMPILE_LIMIT} the wrapper allows (the run stops when it reaches them); set "
-            f"dualkv.bucket_growth: 1.1 ({fewer} lengths)"]
+            f"tokens ({how}) can take {count} packed lengths, each up to {per_length} compiles "
+            f"of the model, over the {limit} Dynamo allows (then the packed run is refused); "
+            f"set dualkv.bucket_growth: 1.1 ({fewer} lengths)"]

@@ -222,8 +222,20 @@ def _keyword_dims(x):  # permute(dims=...), transpose(dim0=, dim1=): token-local
     return x.permute(dims=(0, 2, 1)).transpose(dim0=1, dim1=2) * 1.5
 
 
+_UP = torch.randn(32, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) / 10
+
+
+def _weight_of_the_packed_length(x):  # computed from a weight whose size happens to be T = 128
+    return x + 0.1 * (x @ (_UP * 2.0)) @ (_UP.mT * 0.5)
+
+
+def _cat_by_keyword(x):
+    return torch.cat(tensors=(x, -x), dim=-1)[..., :x.shape[-1]] * 0.5 + x * 0.5
+
+
 @pytest.mark.parametrize("mix", [_mul_statement, _relu_statement, _view_statement,
-                                 _positional_inplace_statement, _vector_gate, _keyword_dims],
+                                 _positional_inplace_statement, _vector_gate, _keyword_dims,
+                                 _weight_of_the_packed_length, _cat_by_keyword],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_token_local_statements_are_kept_exact(mix):
     model, tokens, mask, p = _mixed_model(mix)

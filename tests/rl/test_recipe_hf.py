@@ -357,15 +357,16 @@ def test_dataset_values_are_read_as_written(tmp_path, checkpoint):
     # a JSON number 0.00001 (str() gives "1e-05"); a question holding U+2028, which
     # str.splitlines() took for a line end
     path = _dataset(tmp_path, {"question": "tiny?\u2028", "answer": 0.00001})
-    task = MathJSONLTask(tok, path=path, prompt_template="{question} \\boxed{} please")
+    task = MathJSONLTask(tok, path=path, prompt_template="{question} \\boxed{{}} please")
     prompts, answers = task.sample_prompts(1)
     assert answers == ["1/100000"]
-    assert prompts[0].tolist() == tok.encode("tiny?\u2028 \\boxed{} please")  # braces as written
+    assert prompts[0].tolist() == tok.encode("tiny?\u2028 \\boxed{} please")  # {{}} is {}
     responses = torch.tensor([tok.encode(text, add_bos=False) + [tok.eos_id]
                               for text in ("0.00001", "-5.0000")])
     assert task.rewards(responses, answers * 2).tolist() == [1.0, 0.0]
-    for template in ("no placeholder", "{question} and {question}", 3):
-        with pytest.raises(ValueError, match="must hold {question} once"):
+    # a literal brace was an IndexError from inside the run, a misspelt field a KeyError
+    for template in ("no placeholder", "{q}", "{question} \\boxed{}", "{question} }", 3):
+        with pytest.raises(ValueError, match="only field is {question}"):
             MathJSONLTask(tok, path=path, prompt_template=template)
     with pytest.raises(ValueError, match=r"data.jsonl:1: question None must be a non-empty"):
         MathJSONLTask(tok, path=_dataset(tmp_path, {"question": None, "answer": "1"}))

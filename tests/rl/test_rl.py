@@ -154,6 +154,8 @@ def test_bad_loss_settings():
             GRPOLoss()(lp, lp, lp, torch.ones(4), bad)
         with pytest.raises(ValueError, match="mask must be a bool tensor"):
             GRPOLoss().token_loss(lp, lp, torch.ones(4), bad)
+        with pytest.raises(ValueError, match="mask must be a bool tensor"):
+            GRPOLoss().stats(lp, lp, lp, bad)
     with pytest.raises(ValueError, match="old_logprobs must be a tensor, got list"):
         GRPOLoss().token_loss(lp.tolist(), lp, torch.ones(4), mask)
     with pytest.raises(ValueError, match=r"width 3 exceed max_response_len=2"):
