@@ -86,8 +86,8 @@ _MAYBE_NO_OP = {"to", "float", "double", "half", "bfloat16", "type", "type_as", 
 
 
 def _aliases_input(node: fx.Node) -> bool:
-    """`node` is a view of its first argument, or a cast that changes nothing (its input
-    itself): a copy in its place would miss the input's later in-place updates."""
+    """`node` is a view of its first argument (no gather), or a cast that changes nothing
+    (its input itself)."""
     if op_name(node) == "getitem":  # a tensor index gathers (a copy), others view
         index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
         return not any(isinstance(example(i), Tensor) for i in index if isinstance(i, fx.Node))
@@ -101,11 +101,20 @@ def _aliases_input(node: fx.Node) -> bool:
             and out.stride() == inp.stride())
 
 
+def _aliases_graph_input(node: fx.Node) -> bool:
+    """`node` is a buffer or input itself, through views and no-op casts: a copy in its place
+    would miss the buffer's later in-place updates (buf.to(buf.dtype), then buf.add_)."""
+    while node.op not in ("placeholder", "get_attr"):
+        if not (node.args and isinstance(node.args[0], fx.Node) and _aliases_input(node)):
+            return False
+        node = node.args[0]
+    return True
+
+
 def _stored_source(node: fx.Node, only: set[fx.Node]) -> fx.Node:
-    """The node that computes what `node` views: up through views, indexing and no-op casts of
-    position-only float tensors, so that one stored table serves every view of it (and a
-    buffer seen through a view is never replaced by a copy)."""
-    while (node.args and isinstance(node.args[0], fx.Node) and _aliases_input(node)
+    """The node that computes what `node` views: up through views and indexing of
+    position-only float tensors, so that one stored table serves every view of it."""
+    while (op_name(node) in _VIEWS and node.args and isinstance(node.args[0], fx.Node)
            and node.args[0] in only and _float_tensor(node.args[0])):
         node = node.args[0]
     return node
@@ -121,7 +130,8 @@ def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
         if (node in only and _float_tensor(node)
                 and any(u not in only and u.op != "output" for u in node.users)):
             source = _stored_source(node, only)
-            if source.op not in ("placeholder", "get_attr") and source not in sources:
+            if (source.op not in ("placeholder", "get_attr") and source not in sources
+                    and not _aliases_graph_input(source)):
                 sources.append(source)
     routed = 0
     for source in sources:

@@ -38,7 +38,7 @@ def test_inspect_shows_each_pass_and_writes_graphs_and_svg(tmp_path, capsys):
     assert names == ["0_traced.txt", "1_attention_rewrite.txt", "2_token_locality.txt",
                      "3_lm_head.txt", "4_position_tables.txt", "attention_region.svg"]
     stored = sections["after storing the position tables"]
-    assert stored.count("= materialize.default(") == 4  # the gathered rows for q, k of 2 layers
+    assert stored.count("= materialize.default(") == 8  # cos, sin for q, k of 2 layers
     svg = ET.parse(tmp_path / "attention_region.svg").getroot()
     ns = "{http://www.w3.org/2000/svg}"
     labels = " ".join(t.text or "" for t in svg.iter(f"{ns}text"))
