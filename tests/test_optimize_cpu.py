@@ -29,6 +29,21 @@ def grpo_loss(lp, mask, prompt_len, advantages):
     return (per_token * valid).sum() / valid.sum()
 
 
+def assert_logprobs_and_gradients_match(model, tokens, mask, p, logprob_tol, grad_tol):
+    """optimize(model)'s response logprobs and the GRPO-style loss's parameter gradients
+    against the unmodified model run row by row."""
+    advantages = torch.linspace(-1, 1, tokens.shape[0], dtype=torch.float64)
+    lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    grpo_loss(lp, mask, p, advantages).backward()
+    ours = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+    ref = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert rel_err(lp.detach(), ref.detach()) < logprob_tol
+    grpo_loss(ref, mask, p, advantages).backward()
+    for name, param in model.named_parameters():
+        assert rel_err(ours[name], param.grad) < grad_tol, name
+
+
 @pytest.fixture(autouse=True)
 def fresh_counters():
     dk.counters.clear()
@@ -46,16 +61,7 @@ def test_prompts_of_one_length_and_a_repeated_prompt_match_row_by_row(family, pa
                                  pad_side=pad_side, generator=torch.Generator().manual_seed(3))
     tokens[4:6, :p] = tokens[0:2, :p]  # group 2 draws group 0's prompt
     assert dk.pack(tokens, prompt_len=p, padding_mask=mask).num_groups == 3
-    advantages = torch.linspace(-1, 1, tokens.shape[0], dtype=torch.float64)
-    lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-    grpo_loss(lp, mask, p, advantages).backward()
-    ours = {n: q.grad.clone() for n, q in model.named_parameters()}
-    model.zero_grad()
-    ref = row_by_row_response_logprobs(model, tokens, mask, p)
-    assert rel_err(lp.detach(), ref.detach()) < TOL
-    grpo_loss(ref, mask, p, advantages).backward()
-    for name, param in model.named_parameters():
-        assert rel_err(ours[name], param.grad) < TOL, name
+    assert_logprobs_and_gradients_match(model, tokens, mask, p, TOL, TOL)
 
 
 @pytest.mark.parametrize("attention_backend", ["auto", "regions", "flash_regions"])
@@ -153,16 +159,7 @@ def test_unmodified_models_match_to_float32_rounding(family):
     # float32 rounding (5e-8 to 2e-7), which same_dtype_numerics removes in the other tests
     model = tiny_model(family).double()
     tokens, mask, p = mixed_batch(seed=1)
-    advantages = torch.linspace(-1, 1, tokens.shape[0], dtype=torch.float64)
-    lp = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-    grpo_loss(lp, mask, p, advantages).backward()
-    ours = {n: q.grad.clone() for n, q in model.named_parameters()}
-    model.zero_grad()
-    ref = row_by_row_response_logprobs(model, tokens, mask, p)
-    assert rel_err(lp.detach(), ref.detach()) < 1e-12
-    grpo_loss(ref, mask, p, advantages).backward()
-    for name, param in model.named_parameters():
-        assert rel_err(ours[name], param.grad) < 1e-5, name
+    assert_logprobs_and_gradients_match(model, tokens, mask, p, 1e-12, 1e-5)
 
 
 def test_rewritten_graph_has_no_sdpa_and_no_lm_head():
