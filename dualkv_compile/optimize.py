@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 # Every length bucket, mode and grad-mode flip is a compile of the wrapper's traced function;
 # past Dynamo's default limit (8) it would silently run the model eagerly on the packed batch
-# with eager flex ([T, T] scores). Raised deliberately, and made fatal.
+# with eager flex ([T, T] scores). Raised deliberately, and made fatal. Dynamo counts this limit
+# per guarded object; its accumulated_recompile_limit (256 by default), per compiled function
+# over all objects, binds as well, and the refusal names the one hit (recompiles.py).
 RECOMPILE_LIMIT = 256
 
 
