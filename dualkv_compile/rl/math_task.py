@@ -1,10 +1,10 @@
 """Math word problems from a local JSONL file, rewarded by final-answer match.
 
 Each line: {"question": "...", "answer": "42"} (the answer may carry GSM8K's "#### 42" form,
-MATH's \\boxed{...}, or be a JSON number; a line whose answer holds no number is refused).
-Reward 1 when the response's number (final_number: the last \\boxed{} if any, else the last
-number) equals the answer's as a value ("10.00" matches "10", "0.5" matches "1/2" and
-"\\frac{1}{2}"), else 0.
+MATH's \\boxed{...}, or be a JSON number; a line whose answer is not one number, such as
+"\\sqrt{2}", is refused). Reward 1 when the response's number (final_number: the last
+\\boxed{} if any, which must hold one number, else the last number) equals the answer's as a
+value ("10.00" matches "10", "0.5" matches "1/2" and "\\frac{1}{2}"), else 0.
 """
 
 from __future__ import annotations
@@ -28,9 +28,28 @@ __all__ = ["MathJSONLTask", "final_number"]
 # plain digits, or a leading decimal point; an exponent ("3.14e2") or a fraction bar
 _NUMBER = re.compile(r"(?:(?<!\w)[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
                      r"(?:[eE][-+]?\d+|/\d+)?")
-# LaTeX fractions of two numbers, as MATH writes answers: \frac{3}{4}, \dfrac{-1}{2}, \tfrac
+# LaTeX fractions, as MATH writes answers: \frac{3}{4}, \dfrac{-1}{2}, \tfrac, -\frac{3}{4},
+# and the brace-free \frac12 (each argument in braces or one digit)
 _MAX_EXPONENT = 100
-_LATEX_FRACTION = re.compile(r"\\[dt]?frac\{\s*([-\u2212]?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}")
+_LATEX_FRACTION = re.compile(r"([-\u2212]\s*)?\\[dt]?frac\s*(?:\{\s*([^{}]*?)\s*\}|(\d))"
+                             r"\s*(?:\{\s*([^{}]*?)\s*\}|(\d))")
+_PLAIN = re.compile(r"[-\u2212]?[\d.,]+")
+# what a boxed number may carry besides it: spacing, sizing, $, %, degrees, a unit in \text{}
+_DECORATION = re.compile(r"\\(?:left|right|[,;: ])|\\?[$%]|\^\{?\\circ\}?|"
+                         r"\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*\}")
+_MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
+_SPACED_THOUSANDS = re.compile(r"[-\u2212]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
+
+
+def _fraction(m: re.Match) -> str:
+    """A LaTeX fraction of two plain numbers as "a/b" (spaced, signs combined); anything else
+    unchanged."""
+    sign, num, den = m.group(1), m.group(2) or m.group(3), m.group(4) or m.group(5)
+    if not (_PLAIN.fullmatch(num) and _PLAIN.fullmatch(den)) or den[0] in "-\u2212":
+        return m.group(0)
+    if sign:
+        num = num[1:] if num[0] in "-\u2212" else "-" + num
+    return f" {num}/{den} "
 
 
 def _last_boxed(text: str) -> str | None:
@@ -46,24 +65,50 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
+def _value(token: str) -> str | None:
+    """A number token's value as a reduced fraction string, or None (a zero denominator, an
+    exponent past +-100, which would take unbounded time)."""
+    exponent = token.lower().partition("e")[2]
+    if exponent and abs(int(exponent)) > _MAX_EXPONENT:
+        return None
+    try:
+        return str(Fraction(token.replace("\u2212", "-").replace(",", "")))
+    except (ZeroDivisionError, ValueError):
+        return None
+
+
+def _boxed_number(boxed: str) -> str | None:
+    """The value of a box that holds one number (a sign, a fraction, a mixed number "1 1/2" or
+    "1\\frac{1}{2}", "x = 5", with $, %, degrees or a \\text{} unit around it); None for any
+    other box (\\sqrt{2}, 2\\pi, 10^{3}, (1,2)): its digits are not its value."""
+    text = _LATEX_FRACTION.sub(_fraction, boxed).replace("\\!", "")  # MATH's 10,\\!000
+    text = re.sub(r"^\s*[A-Za-z]\w*\s*=", "", text)
+    text = " ".join(_DECORATION.sub(" ", text).split()).rstrip(". ")
+    text = re.sub(r"^([-\u2212]) (?=[\d.])", r"\1", text)  # "- 5"
+    mixed = _MIXED.fullmatch(text)
+    if mixed:
+        sign, whole, num, den = mixed.groups()
+        value = int(whole) + Fraction(int(num), int(den)) if int(den) else None
+        return None if value is None else str(-value if sign else value)
+    if _SPACED_THOUSANDS.fullmatch(text):  # 1 000 000, 1\\,000
+        text = text.replace(" ", "")
+    return _value(text) if _NUMBER.fullmatch(text) else None
+
+
 def final_number(text: str) -> str | None:
-    """The answer's number in `text`: within the last \\boxed{...} if there is one, else after
-    GSM8K's "####" if present, the last number; as its value written one way: an integer
-    ("1,200.0" -> "1200", "10.00" -> "10", "3.14e2" -> "314") or a reduced fraction ("0.75",
-    "3/4" and "\\frac{3}{4}" -> "3/4", "-.5" -> "-1/2"), so that equal values compare equal
-    as strings."""
+    """The answer's number in `text`: the last \\boxed{...} if there is one (None unless it
+    holds one number: a box of \\sqrt{2} is not the answer 2), else after GSM8K's "####" if
+    present, the last number; as its value written one way: an integer ("1,200.0" -> "1200",
+    "10.00" -> "10", "3.14e2" -> "314") or a reduced fraction ("0.75", "3/4" and
+    "\\frac{3}{4}" -> "3/4", "-.5" -> "-1/2"), so that equal values compare equal as strings."""
     text = text.split("####")[-1]
     boxed = _last_boxed(text)
-    text = _LATEX_FRACTION.sub(r" \1/\2 ", text if boxed is None else boxed)
-    for token in reversed(_NUMBER.findall(text)):
-        exponent = token.lower().partition("e")[2]
-        if exponent and abs(int(exponent)) > _MAX_EXPONENT:  # 1e999999999: no answer, no hang
-            continue
-        try:
-            value = Fraction(token.replace("\u2212", "-").replace(",", ""))
-        except (ZeroDivisionError, ValueError):  # "3/0" is no number; take the one before it
-            continue
-        return str(value)
+    if boxed is not None:
+        return _boxed_number(boxed)
+    for token in reversed(_NUMBER.findall(_LATEX_FRACTION.sub(_fraction, text))):
+        value = _value(token)  # "3/0" is no number: take the one before it
+        if value is not None:
+            return value
     return None
 
 
@@ -83,9 +128,14 @@ def _answer_of(raw, where: str) -> str:
     naming the line for anything without a number (it would score every response 0)."""
     if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
         raise ValueError(f"{where}: answer {raw!r} must be a string or a number")
-    value = final_number(raw if isinstance(raw, str) else repr(raw))
+    text = (raw if isinstance(raw, str) else repr(raw)).split("####")[-1]
+    boxed = _last_boxed(text)
+    # the answer itself, read as a box is: one number or none (a response's last number is
+    # a guess at the answer; an answer's digits are not its value when it is \\sqrt{2})
+    value = _boxed_number(text if boxed is None else boxed)
     if value is None:
-        raise ValueError(f"{where}: answer {raw!r} holds no number to match responses against")
+        raise ValueError(f"{where}: answer {raw!r} is not one number to match responses "
+                         f"against (answers are matched by value; leave out symbolic ones)")
     return value
 
 

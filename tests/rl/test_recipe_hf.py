@@ -265,6 +265,13 @@ def test_a_dataset_line_that_is_not_json_is_named(tmp_path, checkpoint):
     ("\\frac{1}{2}", "1/2"), ("so \\boxed{\\dfrac{3}{4}} since 4", "3/4"), ("3.14e2", "314"),
     ("5e3", "5000"), ("x = 1.5e-3", "3/2000"), ("10-5", "5"), ("on 2023-10-05", "5"),
     ("7, not 1e999999999", "7"),
+    # signs before \frac, brace-free \frac12, mixed numbers and MATH's spacing in a box (each
+    # once read another number: 3/4, 12, 1/2, 0), a unit kept out of it; a box that is not one
+    # number is no number (each once read 2, 2, 3, 2)
+    ("x = -\\frac{3}{4}", "-3/4"), ("\\boxed{\\frac12}", "1/2"),
+    ("\\boxed{-1\\frac{1}{2}}", "-3/2"), ("\\boxed{10,\\!000}", "10000"),
+    ("\\boxed{x = 5\\text{ cm}}", "5"), ("\\boxed{\\sqrt{2}}", None),
+    ("\\boxed{2\\pi}", None), ("\\boxed{10^{3}}", None), ("\\boxed{(1,2)}", None),
 ])
 def test_final_number_reads_values(text, value):
     # each of the first five once read another number: 5, 5, 7, 15, 4
@@ -341,13 +348,14 @@ def _dataset(tmp_path, *rows):
     return str(data)
 
 
-@pytest.mark.parametrize("answer", ["yes", "", None, True, [1, 2]])
+@pytest.mark.parametrize("answer", ["yes", "", None, True, [1, 2], "\\sqrt{2}",
+                                    "The answer is 4"])
 def test_an_answer_without_a_number_is_refused_at_load(tmp_path, checkpoint, answer):
     # it loaded, and every response then scored 0
     folder, _ = checkpoint
     path = _dataset(tmp_path, {"question": "1+1?", "answer": "2"},
                     {"question": "2+2?", "answer": answer})
-    with pytest.raises(ValueError, match=r"data.jsonl:2: answer .*(no number|string or a number)"):
+    with pytest.raises(ValueError, match=r"data.jsonl:2: answer .*(not one number|string or a number)"):
         MathJSONLTask(HFTokenizer(str(folder)), path=path)
 
 
