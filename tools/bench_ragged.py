@@ -14,6 +14,9 @@ Variants, timed in interleaved rounds in one process:
   projections give them: token-major views ([1, T, H, D] memory, transposed); with
   `--input-layouts token head` also ours_<kernel>_head on contiguous head-major [1, H, T, D]
   tensors (faster, docs/performance.md, but not what a model's attention is given).
+`--aligned-twins` adds each case's block-aligned twin (the same draws, every length rounded up to
+a whole 128-token block, where FLASH takes FA4's causal form), timed against FA4 varlen on its
+own rows: how far the ragged layout, and not the baseline, is what costs.
 ideal = varlen pairs / packed pairs (PackedBatch.pair_reduction); "x ideal" = (fa4_varlen ms /
 ours ms) / ideal, so 1.0 means a packed pair costs what a varlen pair does.
 
@@ -45,9 +48,10 @@ from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
 
 
-def ragged_case(seed: int, p_cap: int, r_cap: int, max_tokens: int):
+def ragged_case(seed: int, p_cap: int, r_cap: int, max_tokens: int, aligned: bool = False):
     """(tokens [B, L], padding_mask, prompt_len, group_size, prompt lengths, response lengths)
-    of one seeded ragged micro-batch; left-padded prompts, right-padded responses."""
+    of one seeded ragged micro-batch; left-padded prompts, right-padded responses. `aligned`:
+    its block-aligned twin, the same draws with every length rounded up to a whole block."""
     g = torch.Generator().manual_seed(seed)
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
     groups, n = draw(2, 8), (8, 16, 32)[draw(0, 2)]
@@ -60,6 +64,11 @@ def ragged_case(seed: int, p_cap: int, r_cap: int, max_tokens: int):
     if replicated() > max_tokens:  # a case has at least one group
         print(f"note: seed {seed}, caps {p_cap},{r_cap}: its one group replicates to "
               f"{replicated()} tokens, over --max-tokens {max_tokens}; kept", file=sys.stderr)
+    if aligned:
+        from dualkv_compile.attention.block_mask import BLOCK_SIZE
+
+        up = lambda x: -(-x // BLOCK_SIZE) * BLOCK_SIZE  # noqa: E731
+        prompts, responses = [up(x) for x in prompts], [[up(x) for x in rs] for rs in responses]
     tokens, mask, p = make_batch(prompts, responses, vocab=1000, generator=g)
     return tokens, mask, p, n, prompts, responses
 
@@ -127,16 +136,17 @@ def _ours(pb, kernel, hq, hkv, d, layout="token"):
     return run, x
 
 
-def run_case(seed, p_cap, r_cap, args) -> dict:
-    tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
+def run_case(seed, p_cap, r_cap, args, aligned=False) -> dict:
+    tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens,
+                                                         aligned)
     on_cpu = pack(tokens, prompt_len=p, padding_mask=mask)
     tiles = tile_counts(on_cpu, mask)
     if args.tiles_only:
-        return {"seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
+        return {"layout": "block-aligned twin" if aligned else "ragged", "seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
                 "ideal": on_cpu.pair_reduction, "tiles": tiles,
                 "layout_bounds": layout_bounds(prompts, responses)}
     pb = pack(tokens.cuda(), prompt_len=p, padding_mask=mask.cuda())
-    row = {"tiles": tiles, "seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
+    row = {"layout": "block-aligned twin" if aligned else "ragged", "tiles": tiles, "seed": seed, "P_cap": p_cap, "R_cap": r_cap, "groups": len(prompts), "N": n,
            "prompt_lengths": prompts, "mean_response": sum(map(sum, responses)) / (len(prompts) * n),
            "rows": tokens.shape[0], "padded_tokens": mask.numel(),
            "replicated_tokens": pb.replicated_tokens, "packed_tokens": pb.num_tokens,
@@ -170,16 +180,17 @@ def _ours_variants(args):
 
 def _table(rows, args) -> str:
     variants = _ours_variants(args)
-    head = ("| P cap | R cap | seed | groups x N | ideal | FA4 varlen ms | cuDNN dense ms | "
+    head = ("| P cap | R cap | seed | layout | groups x N | ideal | FA4 varlen ms | cuDNN dense ms | "
             + " | ".join(f"{k}{'' if lay == 'token' else ' (head-major)'} ms (x ideal)"
                          for _, k, lay in variants) + " |")
     lines = ["Ragged shared-prefix attention, fwd+bwd, bf16\n", head,
-             "|" + "---|" * (7 + len(variants))]
+             "|" + "---|" * (8 + len(variants))]
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for r in rows:
         ours = [f"{fmt(r.get(name, {}).get('ms'))} ({fmt(r.get(name, {}).get('x_ideal'))})"
                 for name, _, _ in variants]
-        lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['groups']} x {r['N']} | "
+        lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['layout']} | "
+                     f"{r['groups']} x {r['N']} | "
                      f"{r['ideal']:.2f} | {fmt(r.get('fa4_varlen', {}).get('ms'))} | "
                      f"{fmt(r.get('cudnn_dense', {}).get('ms'))} | " + " | ".join(ours) + " |")
     return "\n".join(lines) + "\n"
@@ -189,13 +200,13 @@ def _tiles_table(rows) -> str:
     lines = ["128 x 128 tiles per case: the packed BlockMask's against a causal varlen kernel's; "
              "then, for other layouts, the bound (varlen tile area / ours / ideal) and the partial "
              "share of the visited area (tools/ragged_tiles.py)\n",
-             "| P cap | R cap | seed | groups x N | ideal | tiles ours (partial) | tiles varlen | "
-             "varlen / ours / ideal | " + " | ".join(LAYOUTS) + " |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(LAYOUTS)]
+             "| P cap | R cap | seed | layout | groups x N | ideal | tiles ours (partial) | "
+             "tiles varlen | varlen / ours / ideal | " + " | ".join(LAYOUTS) + " |",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(LAYOUTS)]
     for r in rows:
         t = r["tiles"]
-        lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['groups']} x {r['N']} | "
-                     f"{r['ideal']:.2f} | {t['ours']} ({t['partial'] / t['ours']:.0%}) | "
+        lines.append(f"| {r['P_cap']} | {r['R_cap']} | {r['seed']} | {r['layout']} | "
+                     f"{r['groups']} x {r['N']} | {r['ideal']:.2f} | {t['ours']} ({t['partial'] / t['ours']:.0%}) | "
                      f"{t['varlen']} | {t['varlen'] / t['ours'] / r['ideal']:.2f} | "
                      + " | ".join(f"{b['bound']:.2f} ({b['partial']:.0%})"
                                   for b in r["layout_bounds"].values()) + " |")
@@ -232,13 +243,18 @@ def main(argv=None, prog=None):
     ap.add_argument("--head-dim", type=positive_int, default=128)
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--rep-ms", type=positive_int, default=600)
+    ap.add_argument("--aligned-twins", action="store_true",
+                    help="also time each case's block-aligned twin (every length rounded up to "
+                         "a whole 128-token block, the layouts where FLASH takes FA4's causal "
+                         "form) against FA4 varlen on its own rows")
     ap.add_argument("--tiles-only", action="store_true",
                     help="count the tiles of each case (CPU) and time nothing")
     add_out_argument(ap)
     args = ap.parse_args(argv)
+    layouts = [False, True] if args.aligned_twins else [False]
     if args.tiles_only:
-        rows = [run_case(seed, p_cap, r_cap, args)
-                for p_cap, r_cap in args.caps for seed in args.seeds]
+        rows = [run_case(seed, p_cap, r_cap, args, aligned)
+                for p_cap, r_cap in args.caps for seed in args.seeds for aligned in layouts]
         meta = {"tiles_only": True, "torch": torch.__version__,
                 "python": platform.python_version(), "max_tokens": args.max_tokens}
         return write_results(args.out, meta, rows, _tiles_table(rows))
@@ -247,8 +263,9 @@ def main(argv=None, prog=None):
     rows = []
     for p_cap, r_cap in args.caps:
         for seed in args.seeds:
-            rows.append(run_case(seed, p_cap, r_cap, args))
-            torch.cuda.empty_cache()
+            for aligned in layouts:
+                rows.append(run_case(seed, p_cap, r_cap, args, aligned))
+                torch.cuda.empty_cache()
     meta = environment() | {"dtype": "bfloat16", "heads": args.heads, "kv_heads": args.kv_heads,
                             "head_dim": args.head_dim, "rounds": args.rounds,
                             "rep_ms": args.rep_ms, "max_tokens": args.max_tokens,

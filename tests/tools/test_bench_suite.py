@@ -173,6 +173,18 @@ def test_ragged_benchmark_counts_tiles_by_hand(capsys):
     tokens, mask, p = make_batch([256], [[128, 128]], vocab=100)
     assert tile_counts(pack(tokens, prompt_len=p, padding_mask=mask), mask) == {
         "ours": 9, "partial": 4, "varlen": 12}
-    ragged_main(["--tiles-only", "--caps", "2048,512", "--seeds", "0"])  # runs without a GPU
-    table = capsys.readouterr().out
-    assert "| 2048 | 512 | 0 | 6 x 8 | 2.28 | 1298 (40%) | 2753 | 0.93 |" in table
+    ragged_main(["--tiles-only", "--caps", "2048,512", "--seeds", "0", "--aligned-twins"])
+    table = capsys.readouterr().out  # runs without a GPU
+    assert "| 2048 | 512 | 0 | ragged | 6 x 8 | 2.28 | 1298 (40%) | 2753 | 0.93 |" in table
+    # the twin: the same draws rounded up to whole blocks (only diagonal tiles are partial)
+    assert "| 2048 | 512 | 0 | block-aligned twin | 6 x 8 | 2.13 | 1427 (11%) | 3107 | 1.02 |" in table
+
+
+def test_a_block_aligned_twin_rounds_each_length_up_to_a_whole_block():
+    from dualkv_compile.tools.bench_ragged import ragged_case
+
+    *_, n, prompts, responses = ragged_case(3, 2048, 512, 262144)
+    *_, n2, prompts2, responses2 = ragged_case(3, 2048, 512, 262144, aligned=True)
+    up = lambda x: -(-x // 128) * 128  # noqa: E731
+    assert n2 == n and prompts2 == [up(x) for x in prompts] and any(x % 128 for x in prompts)
+    assert responses2 == [[up(x) for x in rs] for rs in responses]
