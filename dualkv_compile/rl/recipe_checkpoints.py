@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from . import distributed as ddp
-from .run_guard import RunFailed, apply_config_changes, check_resume_model, write_checkpoint
+from .run_guard import (RunFailed, apply_config_changes, check_finite_weights, check_resume_model,
+                        write_checkpoint)
 
 __all__ = ["RecipeCheckpoints"]
 
@@ -39,6 +40,8 @@ class RecipeCheckpoints:
         self.saved_step = self.step  # on every rank: they decide alike whether to save again
         if self.rank != 0:
             return
+        # nothing is written from weights that are not finite (neither file below)
+        check_finite_weights(model, self.step, self._checkpoint_path())
         # the trained weights first: a crash (or a full disk) between the two writes leaves the
         # previous checkpoint.pt, so a resumed run trains this step again and writes both; the
         # other order left a checkpoint at this step whose weights no epoch_* folder held

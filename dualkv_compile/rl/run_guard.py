@@ -77,6 +77,19 @@ class RunFailed(RuntimeError):
     could not be written): the recipe prints it as one line and exits 1."""
 
 
+def check_finite_weights(model_state: dict, step: int, path: Path) -> None:
+    """RunFailed, before anything is written, when a weight of `model_state` is not finite: a
+    finite gradient can still step a weight to inf, and neither the checkpoint at `path` nor a
+    trained-weights folder may then be written."""
+    import torch
+
+    bad = next((k for k, t in model_state.items()
+                if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise RunFailed(f"step {step}: the weights hold non-finite values ({bad}); not saved, "
+                        f"so {path}, if any, is the last good checkpoint")
+
+
 def write_checkpoint(path: Path, state: dict) -> None:
     """The recipe's checkpoint (CHECKPOINT_KEYS and its config) at `path`: written aside,
     flushed to the disk, then renamed, so that a crash, a power loss or a full disk mid-write
@@ -86,11 +99,7 @@ def write_checkpoint(path: Path, state: dict) -> None:
     import torch
 
     step = state["step"]
-    bad = next((k for k, t in state["model"].items()
-                if t.is_floating_point() and not torch.isfinite(t).all()), None)
-    if bad is not None:
-        raise RunFailed(f"step {step}: the weights hold non-finite values ({bad}); not saved, "
-                        f"so {path}, if any, is the last good checkpoint")
+    check_finite_weights(state["model"], step, path)
     tmp = path.with_suffix(".tmp")
     try:
         torch.save(state, tmp)

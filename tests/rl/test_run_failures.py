@@ -125,6 +125,26 @@ def test_non_finite_weights_are_not_written(tmp_path):
     assert path.read_bytes() == b"previous"
 
 
+def test_non_finite_weights_reach_no_trained_weights_folder_either(tmp_path):
+    # the checkpointer's epoch_N folder was written before checkpoint.pt's check refused the
+    # weights: a diverged step was exported as trained weights (and blocked the folder)
+    recipe = recipe_for(tmp_path, "run", num_steps=1)
+    recipe.setup()
+    written = []
+
+    class Checkpointer:
+        def save_checkpoint(self, state, epoch):
+            written.append(epoch)
+
+    recipe.checkpointer = Checkpointer()
+    with torch.no_grad():
+        next(recipe.model.parameters())[0] = math.inf
+    with pytest.raises(RunFailed, match=r"step 0: the weights hold non-finite values"):
+        recipe.save_checkpoint()
+    recipe.cleanup(failed=True)
+    assert written == [] and not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
 def test_a_checkpoint_that_cannot_be_written_is_named_and_leaves_the_previous(tmp_path,
                                                                              monkeypatch):
     path = tmp_path / "checkpoint.pt"
