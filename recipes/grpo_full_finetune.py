@@ -40,7 +40,8 @@ from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
 from dualkv_compile.rl.recipe_checkpoints import RecipeCheckpoints
-from dualkv_compile.rl.run_guard import RunFailed, RunLock, StopOnSignal, prepare_output_dir
+from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal, prepare_output_dir,
+                                         replace_earlier_run)
 from dualkv_compile.rl.rollout_batch import rollout_batch, truncated_responses
 from dualkv_compile.rl.update import NonFiniteGradient, optimizer_step
 from dualkv_compile.rollout import RolloutEngine
@@ -98,8 +99,7 @@ class GRPORecipe(RecipeCheckpoints):
         self.resume_state, self.config_changes = prepare_output_dir(
             self._checkpoint_path(), resume=bool(cfg.resume_from_checkpoint),
             overwrite=bool(cfg.get("overwrite_output_dir", False)), num_steps=cfg.num_steps,
-            world_size=self.world_size, config=self.plain_cfg, rank=self.rank,
-            weight_dirs=self._weight_dirs(),
+            world_size=self.world_size, config=self.plain_cfg, weight_dirs=self._weight_dirs(),
             log_dir=(cfg.get("metric_logger") or {}).get("log_dir"))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.tokenizer = instantiate_checked("tokenizer", cfg.tokenizer)
@@ -154,6 +154,9 @@ class GRPORecipe(RecipeCheckpoints):
         self.optimizer = instantiate_checked("optimizer", cfg.optimizer, self.model.parameters())
         # sampling differs per rank; the task's prompt order is shared (see _sample_prompts)
         self.rng = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
+        if cfg.get("overwrite_output_dir", False) and self.rank == 0:  # every check passed
+            replace_earlier_run(self._checkpoint_path(), weight_dirs=self._weight_dirs(),
+                                log_dir=(cfg.get("metric_logger") or {}).get("log_dir"))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.resume_from_checkpoint:
             self._load_checkpoint()

@@ -21,8 +21,8 @@ from .recipe_config import ConfigError
 __all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "SEEDS", "RunFailed", "RunLock", "StopOnSignal",
            "apply_config_changes", "check_output_dir", "check_resume_config",
            "check_resume_model", "check_writable_dir", "config_changes",
-           "load_checkpoint", "prepare_output_dir", "read_resume_checkpoint", "set_aside",
-           "write_checkpoint"]
+           "load_checkpoint", "prepare_output_dir", "read_resume_checkpoint", "replace_earlier_run",
+           "set_aside", "write_checkpoint"]
 
 CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
 # config keys (and sections) a resumed run must share with its checkpoint: the saved weights and
@@ -281,12 +281,11 @@ def read_resume_checkpoint(path: Path, *, num_steps: int, world_size: int,
 
 def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_steps: int,
                        world_size: int, config: dict, weight_dirs: list[Path],
-                       rank: int, log_dir: str | None = None) -> tuple[dict | None, dict]:
+                       log_dir: str | None = None) -> tuple[dict | None, dict]:
     """Before any work (and after rank 0 took the RunLock): check_output_dir; with resume,
-    read_resume_checkpoint (returned: the state and the config changes); with overwrite, rank 0
-    moves the earlier run's checkpoint, the epoch_* folders of `weight_dirs` and the metric
-    logger's `log_dir` where it lies in output_dir aside (set_aside; a new run's TensorBoard
-    would otherwise show the old run's steps beside its own) and says where."""
+    read_resume_checkpoint (returned: the state and the config changes). With overwrite nothing
+    moves yet: replace_earlier_run does that once the whole setup has passed (a run refused
+    later in its setup leaves the earlier run where it was)."""
     check_output_dir(checkpoint, resume=resume, overwrite=overwrite,
                      weight_dirs=tuple(weight_dirs))
     if log_dir:
@@ -294,17 +293,24 @@ def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_s
     if resume:
         return read_resume_checkpoint(checkpoint, num_steps=num_steps, world_size=world_size,
                                       config=config)
-    if overwrite and rank == 0:
-        run_dir = checkpoint.parent.resolve()  # (a log_dir that is output_dir itself stays)
-        inside = log_dir and Path(log_dir).resolve() != run_dir and \
-            Path(log_dir).resolve().is_relative_to(run_dir)
-        earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*"))),
-                   *([Path(log_dir)] if inside else [])]
-        made = set_aside(earlier)
-        if made:
-            print(f"overwrite_output_dir=true: the earlier run's checkpoint, weights and logs "
-                  f"were moved to {', '.join(map(str, made))}", flush=True)
     return None, {}
+
+
+def replace_earlier_run(checkpoint: Path, *, weight_dirs: list[Path],
+                        log_dir: str | None = None) -> None:
+    """overwrite_output_dir=true, on rank 0 at the end of a setup that passed: move the earlier
+    run's checkpoint, the epoch_* folders of `weight_dirs` and the metric logger's `log_dir`
+    where it lies in output_dir aside (set_aside; a new run's TensorBoard would otherwise show
+    the old run's steps beside its own) and say where."""
+    run_dir = checkpoint.parent.resolve()  # (a log_dir that is output_dir itself stays)
+    inside = log_dir and Path(log_dir).resolve() != run_dir and \
+        Path(log_dir).resolve().is_relative_to(run_dir)
+    earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*"))),
+               *([Path(log_dir)] if inside else [])]
+    made = set_aside(earlier)
+    if made:
+        print(f"overwrite_output_dir=true: the earlier run's checkpoint, weights and logs "
+              f"were moved to {', '.join(map(str, made))}", flush=True)
 
 
 def apply_config_changes(optimizer, changes: dict[str, tuple], *, step: int,

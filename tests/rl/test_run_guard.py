@@ -64,6 +64,21 @@ def test_overwrite_moves_the_earlier_run_aside(tmp_path):
     assert len(old_events) == len(new_events) == 1
 
 
+def test_an_overwrite_refused_in_its_setup_leaves_the_earlier_run_in_place(tmp_path):
+    # the earlier run was moved aside before the task, model and loss were checked: a refused
+    # run left nothing to resume
+    run(tmp_path, "run", num_steps=1)
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    cfg = OmegaConf.load(CONFIG)
+    for key, value in {"output_dir": str(tmp_path / "run"), "overwrite_output_dir": True,
+                       "loss.aggregation": "nope"}.items():
+        OmegaConf.update(cfg, key, value)
+    with pytest.raises(ConfigError, match=r"loss: .*aggregation='nope'"):
+        load_recipe().GRPORecipe(cfg).setup()
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
+    assert not list((tmp_path / "run").glob("replaced_*"))
+
+
 def test_a_second_run_on_a_live_runs_output_dir_is_refused(tmp_path):
     # both used to pass the start-up check (no checkpoint yet), and the later save replaced
     # the other run's checkpoint
