@@ -79,8 +79,9 @@ class GRPORecipe(RecipeCheckpoints):
         try:
             if self.rank == 0:
                 self.run_locks.append(RunLock(self.output_dir))
-                for folder in self._weight_dirs():
-                    self.run_locks.append(RunLock(folder, key="checkpointer.output_dir"))
+                for folder in self._weight_dirs():  # (torchtune's configs often name output_dir)
+                    if folder.resolve() != self.output_dir.resolve():  # locked just above
+                        self.run_locks.append(RunLock(folder, key="checkpointer.output_dir"))
             self._setup()
         except BaseException:
             self._release_lock(failed_setup=True)

@@ -240,3 +240,20 @@ def test_a_torchtune_checkpointer_without_checkpoint_dir_works(tmp_path):
     recipe.train()
     recipe.cleanup()
     assert recipe.checkpointer.saved == [1] and recipe.model_config is None
+
+
+def test_a_checkpointer_writing_into_output_dir_itself_is_not_refused_as_another_run(tmp_path):
+    # torchtune's configs write checkpointer.output_dir: ${output_dir}; the recipe locked the
+    # folder twice and refused itself as "in use by another run (pid <its own>)"
+    first = recipe_for(tmp_path, "first", num_steps=1)
+    first.setup()
+    (tmp_path / "source").mkdir()
+    torch.save(first.model.state_dict(), tmp_path / "source" / "model.pt")
+    first.cleanup()
+    recipe = recipe_for(tmp_path, "run", num_steps=1, checkpointer={
+        "_component_": "recipe_helpers.TorchtuneStyleCheckpointer",
+        "checkpoint_dir": str(tmp_path / "source"), "output_dir": str(tmp_path / "run")})
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    assert recipe.checkpointer.saved == [1]
