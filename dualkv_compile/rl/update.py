@@ -10,6 +10,7 @@ Under FSDP2 every rank calls it alike; the normalisers are sums over all ranks."
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
@@ -21,6 +22,8 @@ from ..layout.plan import micro_batch_rows
 from . import distributed as ddp
 
 __all__ = ["NonFiniteGradient", "StepStats", "optimizer_step"]
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteGradient(FloatingPointError):
@@ -59,7 +62,12 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     # ranks, so scale back by the world size to get the gradient of the global loss
     total_tokens, total_rows = ddp.all_sum(resp_mask.sum() * int(counted),
                                            tokens.shape[0] * int(counted))
-    total_tokens, total_rows = max(total_tokens, 1.0), max(total_rows, 1.0)
+    if total_tokens == 0:  # every rank alike: the gradient would be 0, and AdamW would still
+        # move the weights (its momentum, weight decay)
+        log.warning("optimizer_step: the loss counts no response token on any rank (e.g. every "
+                    "response truncated under overlong filtering); the step was skipped")
+        return StepStats(0.0, 0.0, 0.0, 0.0)
+    total_rows = max(total_rows, 1.0)
     n_micro = int(ddp.all_max(len(batches))[0])
     loss_sum, kl_sum, clip_sum = 0.0, 0.0, 0.0
     for i in range(n_micro):

@@ -73,6 +73,20 @@ def test_uncounted_rows_change_nothing():
     assert stats.kl == 0 and stats.clip_fraction == 0
 
 
+def test_a_step_whose_loss_counts_no_token_moves_no_weight(caplog):
+    # every response truncated under overlong filtering: the gradient is 0, and AdamW's step
+    # still moved the weights (weight decay; momentum once it has any)
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("token")
+    before = [q.detach().clone() for q in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    stats = optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, old, ref, adv,
+                           group_size=2, temperature=T, max_grad_norm=1.0,
+                           loss_mask=torch.zeros_like(mask[:, p:]))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    assert tuple(stats) == (0.0, 0.0, 0.0, 0.0)
+    assert "counts no response token on any rank" in caplog.text
+
+
 def test_a_loss_mask_outside_the_responses_or_of_another_shape_is_refused():
     model, tokens, mask, p, old, ref, adv, loss_fn = setup("token")
     outside = mask[:, p:].clone()
