@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import (group_advantages, overlong_penalty, peak_bf16_tflops,
-                               policy_update_flops, scored_groups)
+from dualkv_compile.rl import (NoGroupWithSignal, group_advantages, overlong_penalty,
+                               peak_bf16_tflops, policy_update_flops, scored_groups)
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.metric_log import close_logger, log_step, open_metric_logger
 from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
@@ -315,7 +315,7 @@ class GRPORecipe(RecipeCheckpoints):
             self.updates_taken = 0  # optimizer steps of this step so far
             try:
                 metrics = self.train_step()
-            except NonFiniteGradient as e:
+            except (NonFiniteGradient, NoGroupWithSignal) as e:  # the weights are whole
                 raise RunFailed(f"step {self.step + 1}: {e}; {self._save_before(before)}") from e
             self.step += 1
             self.history.append({"step": self.step, **metrics})

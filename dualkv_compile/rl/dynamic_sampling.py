@@ -20,9 +20,14 @@ from torch.nn import functional as F
 from . import distributed as ddp
 from .losses import groups_with_signal
 
-__all__ = ["ScoredGroups", "scored_groups", "REFILL_ROUNDS"]
+__all__ = ["NoGroupWithSignal", "ScoredGroups", "scored_groups", "REFILL_ROUNDS"]
 
 REFILL_ROUNDS = 4  # draws of dynamic sampling before a step gives up on finding signal
+
+
+class NoGroupWithSignal(RuntimeError):
+    """Dynamic sampling found no group whose rewards differ in REFILL_ROUNDS rounds: the step
+    has nothing to train on (raised before any update of the step)."""
 
 
 class ScoredGroups(NamedTuple):
@@ -51,7 +56,7 @@ def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
     rewards are all equal are dropped and refilled, up to REFILL_ROUNDS rounds; fewer groups
     may come back if the rounds run out. A rank that kept no group while another did trains
     on its last round's groups with `filler` True (the caller weights them 0), so that it runs
-    the same collectives; if no rank kept one, RuntimeError."""
+    the same collectives; if no rank kept one, NoGroupWithSignal."""
     n = group_size
     kept: list[tuple] = []  # (tokens, mask, lengths, rewards, prompt width) per group
     dropped: list[tuple] = []  # the last round's dropped groups: a filler rank's batch
@@ -77,8 +82,11 @@ def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
             group = (tokens[rows], mask[rows], lengths[rows], per_group[g], width)
             (kept if keep[g] else dropped).append(group)
     if ddp.all_sum(len(kept))[0] == 0:
-        raise RuntimeError(f"dynamic sampling found no group with differing rewards in "
-                           f"{REFILL_ROUNDS} rounds; lower the task's difficulty or disable it")
+        raise NoGroupWithSignal(
+            f"dynamic sampling found no group with differing rewards in {REFILL_ROUNDS} rounds "
+            f"of {groups} groups (every response of each group scored alike: the task is too "
+            f"easy or too hard for the model now); change the task's difficulty or set "
+            f"dynamic_sampling=false")
     filler = not kept
     if filler:
         kept = dropped

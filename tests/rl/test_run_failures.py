@@ -102,6 +102,24 @@ def test_a_diverging_run_saves_the_step_before_and_a_resume_starts_the_failed_st
     assert f"checkpoint.pt holds step {k}, the last good one" in str(failed_again.value)
 
 
+def test_a_step_without_a_group_to_train_on_saves_the_step_before(tmp_path):
+    # dynamic sampling's refusal was a traceback that lost every step since the last save
+    recipe = recipe_for(tmp_path, "run", num_steps=3, save_every=0, dynamic_sampling=True)
+    recipe.setup()
+    score = recipe._score
+
+    def flat_after_the_first_step(responses, answers, lengths):  # as a converged run scores
+        rewards = score(responses, answers, lengths)
+        return rewards if recipe.step == 0 else torch.ones_like(rewards)
+
+    recipe._score = flat_after_the_first_step
+    with pytest.raises(RunFailed, match=r"step 2: dynamic sampling found no group with "
+                                        r"differing rewards .*; the weights of step 1 were saved"):
+        recipe.train()
+    recipe.cleanup(failed=True)
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 1
+
+
 def test_a_diverging_run_whose_save_fails_names_both(tmp_path):
     # the save's own RunFailed replaced the message: the non-finite gradient went unsaid
     recipe = recipe_for(tmp_path, "run", num_steps=8, save_every=0, **{"optimizer.lr": 1e3})
