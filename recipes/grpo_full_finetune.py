@@ -326,7 +326,11 @@ class GRPORecipe(RecipeCheckpoints):
                 self.save_checkpoint()
             if self.world_size > 1:  # every rank stops after the same step
                 stop.signum = int(ddp.all_max(stop.signum or 0)[0]) or None
-            if stop.signum is not None:
+            if stop.signum is not None and self.step == self.cfg.num_steps:
+                if self.rank == 0:  # nothing is left to stop: the run ends as a complete one
+                    print(f"signal {stop.signum} arrived during the last step; the run is "
+                          "complete", flush=True)
+            elif stop.signum is not None:
                 self.stopped_by = stop.signum
                 if self.saved_step != self.step:  # (unless this step's was just written)
                     self.save_checkpoint()

@@ -45,6 +45,26 @@ def test_a_signal_during_the_final_save_waits_for_it(tmp_path):
     assert state["step"] == 2 and not (tmp_path / "run" / "checkpoint.tmp").exists()
 
 
+def test_a_signal_during_the_last_step_ends_a_complete_run(tmp_path, capsys):
+    # it exited 128 + the signal: a scheduler requeued the finished run, whose resume was then
+    # refused (nothing left to train)
+    recipe = recipe_for(tmp_path, "run", num_steps=2)
+    recipe.setup()
+    train_step = recipe.train_step
+
+    def signalled_in_the_last_step():
+        if recipe.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step()
+
+    recipe.train_step = signalled_in_the_last_step
+    recipe.train()
+    recipe.cleanup()
+    assert recipe.stopped_by is None and recipe.step == 2
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 2
+    assert "arrived during the last step; the run is complete" in capsys.readouterr().out
+
+
 def test_a_non_finite_gradient_is_not_applied():
     g = torch.Generator().manual_seed(0)
     tokens, mask, p = make_batch([5, 3], [[4, 2], [3, 1]], vocab=90, generator=g)
