@@ -131,7 +131,8 @@ class RolloutEngine:
         """prompts [G, P] -> responses [G * group_size, T] (and with return_logprobs, each sampled
         token's logprob [G * group_size, T] under softmax(logits / temperature), 0 after a stop).
         stop_tokens: the id, or ids (e.g. a generation config's eos_token_id list), that end a
-        response. dtype: the KV cache's (a floating dtype; default the weights'). prompt_mask
+        response. dtype: the KV cache's (a floating dtype; default the weights' as the rollout
+        computes with them: under FSDP2, a MixedPrecisionPolicy's param_dtype). prompt_mask
         [G, P] bool: True at the prompt's tokens, taken in order (default: prompt_mask_of, i.e.
         leading and trailing pad_id stripped; the tokens under False are not read)."""
         sampling = SamplingParams(temperature, top_k, top_p)
@@ -141,11 +142,8 @@ class RolloutEngine:
         group_size = integer_arg("group_size", group_size, 1)
         max_generated_tokens = integer_arg("max_generated_tokens", max_generated_tokens, 1)
         pad_id = integer_arg("pad_id", pad_id, 0, vocab)  # the fill of finished rows: a token
-        weights = next(self.model.parameters()).dtype
-        dtype = dtype if dtype is not None else weights
-        if dtype not in _CACHE_DTYPES:
-            raise ValueError(f"dtype={dtype!r} (the KV cache's; default the weights') must be one "
-                             f"of {_CACHE_DTYPES}")
+        if dtype is not None:
+            _check_cache_dtype(dtype)
         compact, plen, pmax = checked_prompts(prompts, prompt_mask, max_generated_tokens,
                                              pad_id, rng, self.model, self.decoder)
         device = prompts.device
@@ -154,19 +152,25 @@ class RolloutEngine:
         if self.cuda_graphs and not (on_cuda and compiled):  # (a graph replays compiled steps)
             raise ValueError(f"cuda_graphs=True needs CUDA and compiled steps; the prompts are "
                              f"on {device} and compile={compiled}")
-        implementation = self._implementation(device, dtype)
-        if implementation == "flex" and compiled and not on_cuda:
-            raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
-                             "returns no log-sum-exp); use attention='math' or compile=False")
         groups, t = prompts.shape[0], max_generated_tokens
         rows = groups * group_size
         bucket = prompt_bucket(pmax)  # the prefill's width; the cache may hold more
         compact = torch.nn.functional.pad(compact[:, :bucket], (0, bucket - min(
             bucket, compact.shape[1])), value=pad_id)
-        key = self._held_capacity(_Key(rows, groups if self.share_prompt else rows, bucket, t,
-                                       dtype, sampling, pad_id, stops, implementation, device,
-                                       vocab, self.decoder.logits_dtype(weights)))
         with gathered_weights(self.model):
+            # read once gathered: FSDP2's sharded parameters keep their storage dtype (float32
+            # under a MixedPrecisionPolicy with param_dtype=bfloat16), the gathered ones are
+            # the dtype the rollout computes in, which the cache and the kernels must match
+            weights = next(self.model.parameters()).dtype
+            if dtype is None:
+                dtype = _check_cache_dtype(weights)
+            implementation = self._implementation(device, dtype, weights)
+            if implementation == "flex" and compiled and not on_cuda:
+                raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
+                                 "returns no log-sum-exp); use attention='math' or compile=False")
+            key = self._held_capacity(_Key(rows, groups if self.share_prompt else rows, bucket,
+                                           t, dtype, sampling, pad_id, stops, implementation,
+                                           device, vocab, self.decoder.logits_dtype(weights)))
             ws = self._workspace_for(key, on_cuda, compiled)
             # graphs are captured before the cache is filled (a capture warms up on it first);
             # they draw from the engine's own generator, which carries the caller's state in
@@ -234,14 +238,16 @@ class RolloutEngine:
             log.info("rollout engine: the model's modules changed since the last call; "
                      "read again (a new compile and capture)")
 
-    def _implementation(self, device: torch.device, dtype: torch.dtype) -> str:
+    def _implementation(self, device: torch.device, dtype: torch.dtype,
+                        weights: torch.dtype) -> str:
         """The decode attention to run: the engine's `attention`, or for "auto" the Triton
-        kernels on CUDA (flex where they cannot run, logged once with the reason), else math."""
+        kernels on CUDA (flex where they cannot run, logged once with the reason), else math.
+        dtype: the KV cache's; weights: the dtype the model computes in (its gathered
+        parameters')."""
         if self.attention in ("math", "flex") or (self.attention == "auto"
                                                   and device.type != "cuda"):
             return "math" if self.attention == "auto" else self.attention
         runs, why = kernels.status(device, self.decoder.head_dim, dtype)
-        weights = next(self.model.parameters()).dtype
         if runs and weights != dtype:  # the kernels take q and the cache in one dtype
             runs, why = False, f"the weights are {weights} and the KV cache {dtype}"
         if not runs and self.attention == "triton":
@@ -360,6 +366,12 @@ class RolloutEngine:
             self.stats["captures"] += 1
         return self._graph_gen
 
+
+def _check_cache_dtype(dtype) -> torch.dtype:
+    if dtype not in _CACHE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} (the KV cache's; default the dtype the model computes "
+                         f"in) must be one of {_CACHE_DTYPES}")
+    return dtype
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
