@@ -166,6 +166,17 @@ class _HFDecoder(_Modules):
             raise _refuse(model, "its rope_type='longrope' changes every position's rotation "
                                  "once the sequence passes original_max_position_embeddings")
         self.model, self.base = model, hf_decoder(model)
+        # transformers' dynamic_rope_update compares the positions with the cached length in
+        # Python `if`s (two host reads per call, which a CUDA graph cannot hold); as the engine
+        # stays within max_position_embeddings the rotation it would pick is fixed, so the
+        # undecorated forward runs instead (_fixed_rope)
+        self.fixed_rope = None
+        if any("dynamic" in kind for kind in rope_types(cfg)):
+            self.fixed_rope = getattr(type(self.base.rotary_emb).forward, "__wrapped__", None)
+            if self.fixed_rope is None:
+                raise _refuse(model, f"its rope_type is dynamic and its "
+                                     f"{type(self.base.rotary_emb).__name__}.forward is not "
+                                     "transformers' dynamic_rope_update over a plain forward")
         self.layers = [_unwrap(layer) for layer in self.base.layers]
         attn = self.layers[0].self_attn
         self.num_heads = cfg.num_attention_heads
@@ -192,7 +203,21 @@ class _HFDecoder(_Modules):
         return self.base.embed_tokens(tokens)
 
     def rope(self, x: Tensor, positions: Tensor):
+        if self.fixed_rope is not None:
+            return self._fixed_rope(x, positions)
         return self.base.rotary_emb(x, positions)
+
+    def _fixed_rope(self, x: Tensor, positions: Tensor):
+        """cos/sin of a dynamic RoPE at positions within max_position_embeddings, with no host
+        read: the unscaled frequencies (original_inv_freq; dynamic NTK scales only past the
+        context). A forward past the context grew them; set them back as transformers' own next
+        forward within the context does (dynamic_frequency_update's reset), checked in Python."""
+        rotary = self.base.rotary_emb
+        if rotary.max_seq_len_cached > rotary.original_max_seq_len:
+            rotary.register_buffer("inv_freq", rotary.original_inv_freq.to(x.device),
+                                   persistent=False)
+            rotary.max_seq_len_cached = rotary.original_max_seq_len
+        return self.fixed_rope(rotary, x, positions)
 
     def qkv(self, layer: nn.Module, x: Tensor, cos_sin) -> tuple[Tensor, Tensor, Tensor]:
         attn = layer.self_attn
