@@ -16,16 +16,18 @@ __all__ = ["generate_groups", "plan_calls"]
 def generate_groups(model, prompts: Tensor, *, group_size: int, max_generated_tokens: int,
                     pad_id: int, temperature: float = 1.0, top_k: int | None = None,
                     top_p: float | None = None, stop_tokens: int | Sequence[int] | None = None,
-                    rng: torch.Generator | None = None,
-                    dtype: torch.dtype | None = None) -> Tensor:
+                    rng: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                    return_logprobs: bool = False,
+                    prompt_mask: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """prompts [G, P] (left- or right-padded with pad_id) -> responses [G * group_size, T]:
     `group_size` continuations of each prompt, rows in prompt order, T = max_generated_tokens,
-    pad_id after a row's stop token. A new RolloutEngine per call: hold one to reuse its
-    compiled steps."""
+    pad_id after a row's stop token (with return_logprobs, their logprobs [G * group_size, T]
+    too). Every argument is RolloutEngine.generate's. A new RolloutEngine per call: hold one to
+    reuse its compiled steps."""
     return RolloutEngine(model).generate(
         prompts, group_size=group_size, max_generated_tokens=max_generated_tokens, pad_id=pad_id,
         temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
-        dtype=dtype)
+        dtype=dtype, return_logprobs=return_logprobs, prompt_mask=prompt_mask)
 
 
 def plan_calls(num_groups: int, group_size: int,

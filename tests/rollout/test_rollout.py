@@ -8,7 +8,7 @@ from torchtune.generation import generate
 from torchtune.modules.common_utils import local_kv_cache
 
 from dualkv_compile.models import qwen3
-from dualkv_compile.rollout import generate_groups, plan_calls
+from dualkv_compile.rollout import RolloutEngine, generate_groups, plan_calls
 
 PAD, EOS = 0, 1
 
@@ -64,6 +64,20 @@ def test_early_stop_matches_up_to_each_rows_stop():
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="group_size=0"):
         generate_groups(tiny(), prompts(), group_size=0, max_generated_tokens=3, pad_id=PAD)
+
+
+def test_logprobs_and_a_prompt_mask_reach_the_engine():
+    model, g = tiny(seed=4), prompts()
+    mask = g != PAD
+    mask[0, 0] = False  # a token the default rule would read: the mask decides
+    kw = dict(group_size=2, max_generated_tokens=5, pad_id=PAD, return_logprobs=True,
+              prompt_mask=mask)
+    tokens, logprobs = generate_groups(model, g, rng=torch.Generator().manual_seed(3), **kw)
+    want = RolloutEngine(model).generate(g, rng=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(tokens, want[0]) and torch.equal(logprobs, want[1])
+    default = generate_groups(model, g, rng=torch.Generator().manual_seed(3),
+                              **{**kw, "prompt_mask": None})
+    assert not torch.equal(default[1], logprobs)  # the masked-out token changed the prompt
 
 
 def test_calls_hold_whole_groups_or_even_splits_of_one():
