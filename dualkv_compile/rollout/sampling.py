@@ -10,6 +10,7 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,9 @@ def stop_ids(stop_tokens, vocab: int | None = None) -> tuple[int, ...]:
     stop tokens gives, is none); each checked against [0, vocab)."""
     if stop_tokens is None:
         return ()
+    if isinstance(stop_tokens, Mapping):  # iterating one gives its keys: {7: "eos"} read as 7
+        raise ValueError(f"stop_tokens={stop_tokens!r} is a {type(stop_tokens).__name__}, not a "
+                         "token id or ids: pass the ids themselves (e.g. its values)")
     if as_index(stop_tokens) is not None or not hasattr(stop_tokens, "__iter__"):
         given = [stop_tokens]  # one id, or something that is not an id (refused below)
     else:  # several ids (a 0-dim tensor is one id, above)

@@ -1,12 +1,16 @@
 """Sampling against independent references: top-p keeps the smallest set whose mass reaches
 top_p, exactly as transformers' TopPLogitsWarper on ties; the engine's returned logprobs equal a
-full forward of the plain model at the sampling temperature (CPU, float64)."""
+full forward of the plain model at the sampling temperature (CPU, float64); a mapping as
+stop_tokens is refused by name."""
 
+import re
+
+import pytest
 import torch
 
 from dualkv_compile.models import qwen3
 from dualkv_compile.rollout import RolloutEngine
-from dualkv_compile.rollout.sampling import _top_p
+from dualkv_compile.rollout.sampling import _top_p, stop_ids
 from dualkv_compile.testing import same_dtype_numerics, tiny_model
 
 
@@ -62,3 +66,14 @@ def test_a_transformers_float64_models_logprobs_are_float64():
     want = (logits[:, 11:-1] / 0.7).log_softmax(-1).gather(2, tokens[..., None])[..., 0]
     assert lp.dtype == torch.float64
     assert (lp - want).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("stops", [{7: "eos"}, {"eos": 7}])
+def test_a_mapping_of_stop_tokens_is_refused_by_name(stops):
+    with pytest.raises(ValueError, match=f"stop_tokens={re.escape(repr(stops))} is a dict, not "
+                                         "a token id or ids"):
+        stop_ids(stops, 101)
+    model = same_dtype_numerics(tiny_model("hf_llama").to(torch.float64).eval())
+    with pytest.raises(ValueError, match="is a dict, not a token id"):
+        RolloutEngine(model).generate(torch.randint(2, 101, (2, 5)), group_size=2,
+                                      max_generated_tokens=3, pad_id=0, stop_tokens=stops)
