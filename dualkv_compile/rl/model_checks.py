@@ -27,6 +27,9 @@ def check_model_fit(cfg, tokenizer, task, decoder, dualkv=None) -> None:
     wrappers' DualKVConfig, whose length buckets must stay within their recompile limit."""
     problems = []
     vocab = refused_as_config("model", lambda: decoder.vocab_size)
+    # a larger model vocabulary is accepted: real checkpoints pad theirs to a round size, and
+    # the tokenizers decode a sampled id they do not know (HFTokenizer drops it, CharTokenizer
+    # writes its `unknown`)
     if tokenizer.vocab_size > vocab:
         problems.append(f"model: its vocabulary holds {vocab} ids, the tokenizer's "
                         f"{tokenizer.vocab_size}: a prompt or stop token could fall outside it")

@@ -20,14 +20,23 @@ __all__ = ["CharTokenizer", "RepeatLastLetterTask", "SeededTask"]
 
 
 class CharTokenizer:
-    """Characters <-> ids. 0 = pad, 1 = bos, 2 = eos, then the alphabet."""
+    """Characters <-> ids. 0 = pad, 1 = bos, 2 = eos, then the alphabet.
+
+    A model may have more ids than the tokenizer (a vocabulary padded to a round size, as real
+    checkpoints' are); decode turns a sampled id past the alphabet into `unknown`, one
+    character that matches no letter, so such a response is read (and scored) as wrong, not
+    as a crash, and the characters after it keep their positions."""
 
     pad_id, bos_id, eos_id = 0, 1, 2
     stop_tokens = (2,)  # the ids that end a response (torchtune's tokenizers' attribute)
+    unknown = "\ufffd"  # Unicode's replacement character, as text decoders write for bad input
 
     def __init__(self, alphabet: str = string.ascii_lowercase + ":"):
         if len(set(alphabet)) != len(alphabet):
             raise ValueError(f"alphabet {alphabet!r} repeats a character")
+        if self.unknown in alphabet:  # it would read an out-of-alphabet id as a letter
+            raise ValueError(f"alphabet {alphabet!r} holds {self.unknown!r}, which decode "
+                             "writes for ids past the alphabet")
         self.alphabet = alphabet
         self._ids = {c: i + 3 for i, c in enumerate(alphabet)}
 
@@ -47,8 +56,10 @@ class CharTokenizer:
             i = int(i)
             if i == self.eos_id:
                 break
-            if i >= 3:
+            if 3 <= i < self.vocab_size:
                 out.append(self.alphabet[i - 3])
+            elif i >= self.vocab_size:  # a padded model vocabulary's id
+                out.append(self.unknown)
         return "".join(out)
 
 

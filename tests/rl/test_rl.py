@@ -183,6 +183,14 @@ def test_tokenizer_and_task_reward():
         tok.encode(a, add_bos=False) + [tok.eos_id, *tok.encode(a * 2, add_bos=False)],  # stops
     ])
     assert task.rewards(responses, [a, a, a]).tolist() == [1.0, 0.5, 0.25]
+    # ids past the alphabet (a model vocabulary padded past the tokenizer's) decode as one
+    # unknown mark each, which matches no letter: scored wrong, where they were an IndexError
+    past = tok.vocab_size
+    assert tok.decode([past, *tok.encode(a, add_bos=False), past + 3]) == f"\ufffd{a}\ufffd"
+    assert task.rewards(torch.tensor([[past] + tok.encode(a * 3, add_bos=False)]),
+                        [a]).tolist() == [0.75]
+    with pytest.raises(ValueError, match=r"holds '\ufffd'"):
+        CharTokenizer("ab\ufffd")
     state = task.state_dict()
     first = task.sample_prompts(2)[0]
     task.load_state_dict(state)
