@@ -83,6 +83,9 @@ class RepeatLastLetterTask(SeededTask):
         if not set(letters) <= set(tokenizer.alphabet) or not letters:
             raise ValueError(f"letters {letters!r} must be non-empty and in the tokenizer's "
                              f"alphabet")
+        if ":" not in tokenizer.alphabet:  # else step 1's sample_prompts fails to encode
+            raise ValueError(f"the tokenizer's alphabet {tokenizer.alphabet!r} lacks ':', "
+                             "which ends every prompt")
         integer_arg("prompt_letters", prompt_letters, 1)
         integer_arg("target_len", target_len, 1)
         super().__init__(seed)

@@ -235,6 +235,8 @@ def test_tune_run_prints_no_torchao_line_before_our_code_runs():
     ("max_generated_tokens=300", "error: max_generated_tokens=300: with prompts of up to 8 "
                                  "tokens it exceeds the model's context of 256"),
     ("model.vocab_size=5", "error: model: its vocabulary holds 5 ids, the tokenizer's 12"),
+    ("tokenizer.alphabet=abcdefgh", "error: task: ValueError: the tokenizer's alphabet "
+                                    "'abcdefgh' lacks ':', which ends every prompt"),
     # more packed lengths than the wrapper's recompile limit: once the run's fatal error
     ("max_tokens_per_micro_batch=100000", "error: dualkv.bucket_growth=1.0: micro-batches of "
                                           "2-100000 packed tokens (max_tokens_per_micro_batch="

@@ -191,6 +191,8 @@ def test_tokenizer_and_task_reward():
                         [a]).tolist() == [0.75]
     with pytest.raises(ValueError, match=r"holds '\ufffd'"):
         CharTokenizer("ab\ufffd")
+    with pytest.raises(ValueError, match=r"alphabet 'abcdefgh' lacks ':'"):
+        RepeatLastLetterTask(CharTokenizer("abcdefgh"))  # was a ValueError in sample_prompts
     state = task.state_dict()
     first = task.sample_prompts(2)[0]
     task.load_state_dict(state)
