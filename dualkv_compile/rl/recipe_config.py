@@ -249,8 +249,18 @@ class _Checker:
                          "the last cache_len tokens before max_len")
         model, checkpointer = config.get("model"), config.get("checkpointer")
         if isinstance(model, dict) and isinstance(checkpointer, dict):
-            for key in sorted(set(model) - {"_component_", "path", "max_seq_len"}):
-                # one line per key, each with where it came from (the file or an override)
+            allowed = ["path", "max_seq_len"]  # what the model section may set over config.json
+            for key in sorted(set(model) - {"_component_", *allowed}):
+                # one line per key, each with where it came from (the file or an override); a
+                # near miss of an allowed key is named as a typo (the component check's hint, a
+                # warning, is dropped with this error); no Qwen3 builder parameter is near one
+                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+                if close:
+                    self.bad(f"model.{key}", f"unknown key; did you mean {close[0]!r}? (with a "
+                                             "checkpointer the model section sets only path "
+                                             "and max_seq_len over the checkpoint's "
+                                             "config.json)")
+                    continue
                 self.bad(f"model.{key}", "overrides the checkpoint's config.json, which the "
                                          "checkpointer copies into every saved folder "
                                          "(transformers would load another model); edit a copy "
