@@ -28,6 +28,9 @@ class TensorBoardLogger:
     continues this output_dir's newest one instead, hiding its steps after `step`
     (SummaryWriter's purge_step, which TensorBoard applies on read)."""
 
+    # the longest wait, in seconds, for the clock to pass the newest event file's stamp (below)
+    max_clock_wait_s = 5.0
+
     def __init__(self, log_dir: str, output_dir: str | None = None):
         self.log_dir = Path(log_dir)
         self._owner = str(Path(output_dir).resolve()) if output_dir else None
@@ -37,20 +40,33 @@ class TensorBoardLogger:
         # that comes again, in file order)
         self._purge_step = 0
         self._writer = None
+        self.not_resumed: str | None = None  # why resume() found a run it did not continue
 
     def resume(self, step: int) -> bool:
         """Continue this output_dir's newest run after `step`; False when there is none to
-        continue (a new run folder is made on the first log)."""
+        continue, or its newest event file is stamped more than max_clock_wait_s ahead of the
+        clock (`not_resumed` says so); a new run folder is then made on the first log."""
         runs = [d for d in sorted(self.log_dir.glob("run_*")) if self._owns(d)]
         if not runs:
             return False
-        self.run_dir, self._purge_step = runs[-1], step + 1
         # TensorBoard reads a folder's event files in name order, whose first field is the
-        # second they were opened in: the new file must sort after the interrupted run's
-        newest = max((int(f.name.split(".")[3]) for f in self.run_dir.glob("events.out.tfevents.*")
+        # second they were opened in: the new file must sort after the interrupted run's, so
+        # the clock must pass that second (under a second after a quick resume). A file stamped
+        # further ahead (another host's clock, skewed) would stall the run: a new run instead
+        newest = max((int(f.name.split(".")[3]) for f in runs[-1].glob("events.out.tfevents.*")
                       if f.name.split(".")[3].isdigit()), default=0)
+        wait = newest + 1 - time.time()
+        if wait > self.max_clock_wait_s:
+            self.not_resumed = (f"its newest event file in {runs[-1]} is stamped "
+                                f"{newest - time.time():.0f} s ahead of this clock, so this "
+                                "run's could not sort after it")
+            return False
+        if wait > 1:
+            print(f"metric_logger: waiting {wait:.1f} s for the clock to pass the stamp of the "
+                  f"newest event file in {runs[-1]}", flush=True)
         while int(time.time()) <= newest:
             time.sleep(0.05)
+        self.run_dir, self._purge_step = runs[-1], step + 1
         return True
 
     def _owns(self, run_dir: Path) -> bool:
@@ -98,7 +114,7 @@ def open_metric_logger(cfg: DictConfig, run_cfg: DictConfig, *, output_dir: Path
         logger._owner = str(Path(output_dir).resolve())
     if resume_step is not None and not (isinstance(logger, TensorBoardLogger)
                                         and logger.resume(resume_step)):
-        why = (f"no earlier run of {output_dir} in {logger.log_dir}"
+        why = ((logger.not_resumed or f"no earlier run of {output_dir} in {logger.log_dir}")
                if isinstance(logger, TensorBoardLogger) else
                f"{type(logger).__name__} cannot continue a run; "
                "dualkv_compile.rl.TensorBoardLogger can")

@@ -1,8 +1,13 @@
 """rl.TensorBoardLogger: a resume continues its own output_dir's newest run, nobody else's."""
 
+import re
+import time
+
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 
 from dualkv_compile.rl import TensorBoardLogger
+from dualkv_compile.rl.metric_log import open_metric_logger
 
 
 def steps_and_values(run_dir):
@@ -35,3 +40,46 @@ def test_resume_without_an_earlier_run_starts_a_new_one(tmp_path):
     logger.log("x", 1.0, step=4)
     logger.close()
     assert steps_and_values(logger.run_dir) == [(4, 1.0)]
+
+
+def test_a_run_whose_event_file_is_stamped_ahead_is_not_waited_for(tmp_path, capsys,
+                                                                    monkeypatch):
+    # the resume waited, silently and without bound, for the clock to pass the stamp of the
+    # newest event file: one from a host whose clock ran an hour ahead stalled it an hour
+    slept, sleep = [0.0], time.sleep
+
+    def bounded_sleep(seconds):  # fails (in 10 s) where a wait would last the hour
+        slept[0] += seconds
+        assert slept[0] < 10, "the resume waits on"
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", bounded_sleep)
+    log_dir, out = tmp_path / "logs", tmp_path / "a"
+    first = TensorBoardLogger(str(log_dir), output_dir=str(out))
+    first.log("x", 1.0, step=1)
+    first.close()
+    ahead = int(time.time()) + 3600
+    (first.run_dir / f"events.out.tfevents.{ahead}.otherhost.1.0").write_bytes(b"")
+    cfg = OmegaConf.create({"_component_": "dualkv_compile.rl.TensorBoardLogger",
+                            "log_dir": str(log_dir)})
+    start = time.time()
+    logger = open_metric_logger(cfg, OmegaConf.create({"a": 1}), output_dir=out, resume_step=1)
+    assert time.time() - start < TensorBoardLogger.max_clock_wait_s
+    logger.log("x", 2.0, step=2)
+    logger.close()
+    assert logger.run_dir != first.run_dir  # a new run, said once:
+    said = capsys.readouterr().out
+    assert said.count("metric_logger: a new run from step 2 (its newest event file in") == 1
+    assert re.search(r"is stamped 3[56]\d\d s ahead of this clock, so this run's could not "
+                     r"sort after it\): steps after 1", said), said
+
+
+def test_a_stamp_a_few_seconds_ahead_is_waited_for_and_said(tmp_path, capsys):
+    log_dir, out = tmp_path / "logs", tmp_path / "a"
+    first = TensorBoardLogger(str(log_dir), output_dir=str(out))
+    first.log("x", 1.0, step=1)
+    first.close()
+    (first.run_dir / f"events.out.tfevents.{int(time.time()) + 2}.otherhost.1.0").write_bytes(b"")
+    resumed = TensorBoardLogger(str(log_dir), output_dir=str(out))
+    assert resumed.resume(1) and resumed.run_dir == first.run_dir
+    assert "metric_logger: waiting" in capsys.readouterr().out
