@@ -240,20 +240,27 @@ class _Checker:
 
     def across(self, config: dict):
         """Checks that involve several keys (each key's own range is checked already)."""
-        overlong = config.get("overlong")
+        overlong, gen = config.get("overlong"), config.get("max_generated_tokens")
         if isinstance(overlong, dict) and all(
                 isinstance(overlong.get(k), int) for k in ("max_len", "cache_len")):
-            if not 0 < overlong["cache_len"] <= overlong["max_len"]:
-                self.bad("overlong.cache_len", f"{overlong['cache_len']} must be in "
-                         f"(0, overlong.max_len={overlong['max_len']}]: the penalty ramps over "
-                         "the last cache_len tokens before max_len")
+            top, cache = overlong["max_len"], overlong["cache_len"]
+            if not 0 < cache <= top:
+                self.bad("overlong.cache_len", f"{cache} must be in (0, overlong.max_len={top}]: "
+                         "the penalty ramps over the last cache_len tokens before max_len")
+            elif isinstance(gen, int) and top - cache >= gen:  # it is 0 up to top - cache tokens
+                self.bad("overlong.max_len", f"{top} - overlong.cache_len={cache} must be < "
+                         f"max_generated_tokens={gen}: the penalty starts past every response")
+            elif isinstance(gen, int) and top > gen:  # DAPO's max_len is the generation budget
+                self.warnings.append(f"overlong.max_len ({self.where('overlong.max_len')}): "
+                                     f"{top} > max_generated_tokens={gen}: the longest "
+                                     f"response's penalty is {(top - cache - gen) / cache:.3g}, "
+                                     "not -1")
         model, checkpointer = config.get("model"), config.get("checkpointer")
         if isinstance(model, dict) and isinstance(checkpointer, dict):
             allowed = ["path", "max_seq_len"]  # what the model section may set over config.json
             for key in sorted(set(model) - {"_component_", *allowed}):
-                # one line per key, each with where it came from (the file or an override); a
-                # near miss of an allowed key is named as a typo (the component check's hint, a
-                # warning, is dropped with this error); no Qwen3 builder parameter is near one
+                # one line per key, with where it came from; a near miss of an allowed key (no
+                # Qwen3 builder's parameter is one) is a typo: the component check only warned
                 close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
                 if close:
                     self.bad(f"model.{key}", f"unknown key; did you mean {close[0]!r}? (with a "
@@ -288,9 +295,9 @@ def _dotted(values: dict, prefix: str = "") -> set[str]:
 
 def check_recipe_config(config: dict, *, config_file: str, overrides: list[str],
                         schema: dict | None = None) -> list[str]:
-    """Raise ConfigError listing every problem of `config` (the merged, resolved config as plain
-    containers); `overrides` are the command line's key=value strings, so that each problem
-    names where its key came from. Returns warnings: keys a **kwargs component does not name."""
+    """Raise ConfigError listing every problem of `config` (merged, resolved, plain containers);
+    `overrides`: the command line's key=value strings, so each problem names where its key came
+    from. Returns warnings: keys a **kwargs component does not name, an overlong band cut short."""
     overridden = {}
     for text in overrides:
         key = text.lstrip("~").split("=", 1)[0]

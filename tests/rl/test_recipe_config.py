@@ -1,5 +1,5 @@
 """check_recipe_config's checks across keys (in-process): a misspelt model key beside a
-checkpointer is named as a typo."""
+checkpointer is named as a typo; an overlong penalty band no response reaches is refused."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -28,3 +28,19 @@ def test_a_misspelt_model_key_beside_a_checkpointer_names_the_near_miss(override
     assert e.value.problems == [f"{key} (command-line override {override!r}): unknown key; did "
                                 f"you mean {near!r}? (with a checkpointer the model section sets "
                                 "only path and max_seq_len over the checkpoint's config.json)"]
+
+
+def test_an_overlong_band_past_every_response_is_refused_and_one_cut_short_warned(monkeypatch):
+    # tiny_dapo's band (9, 12] with max_generated_tokens=9: a penalty that can never apply, yet
+    # the run was accepted and logged as DAPO
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError) as e:
+        _checked("tiny_dapo.yaml", "max_generated_tokens=9")
+    assert e.value.problems == ["overlong.max_len (tiny_dapo.yaml): 12 - overlong.cache_len=3 "
+                                "must be < max_generated_tokens=9: the penalty starts past every "
+                                "response"]
+    assert _checked("tiny_dapo.yaml") == []  # max_len = max_generated_tokens, as in DAPO
+    assert _checked("tiny_dapo.yaml", "max_generated_tokens=10") == [
+        "overlong.max_len (tiny_dapo.yaml): 12 > max_generated_tokens=10: the longest "
+        "response's penalty is -0.333, not -1"]
+    assert _checked("tiny_dapo.yaml", "max_generated_tokens=20") == []  # -1 past max_len
