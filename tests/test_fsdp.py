@@ -18,7 +18,8 @@ TOL = 1e-10
 
 @pytest.fixture(scope="module")
 def cases():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(ROOT / "tests" / "fsdp_worker.py")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -106,7 +107,8 @@ dist.destroy_process_group()
 
 
 def test_fsdp_layouts_the_layer_region_cannot_drive_are_named(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-c", _LAYOUTS, str(tmp_path / "store")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,6 +15,8 @@ Qwen3, Qwen2 and Llama causal LMs. Anything else is refused by name in `decoder_
 
 from __future__ import annotations
 
+import inspect
+
 import sys
 
 import torch
@@ -172,8 +174,10 @@ class _HFDecoder(_Modules):
         # undecorated forward runs instead (_fixed_rope)
         self.fixed_rope = None
         if any("dynamic" in kind for kind in rope_types(cfg)):
-            self.fixed_rope = getattr(type(self.base.rotary_emb).forward, "__wrapped__", None)
-            if self.fixed_rope is None:
+            # the innermost function: some versions put torch.no_grad() over the decorator
+            decorated = type(self.base.rotary_emb).forward
+            self.fixed_rope = inspect.unwrap(decorated)
+            if self.fixed_rope is decorated:
                 raise _refuse(model, f"its rope_type is dynamic and its "
                                      f"{type(self.base.rotary_emb).__name__}.forward is not "
                                      "transformers' dynamic_rope_update over a plain forward")

@@ -106,3 +106,22 @@ def test_a_dynamic_rope_whose_forward_is_not_transformers_update_is_refused():
     with pytest.raises(ValueError, match="rope_type is dynamic and its OwnRotary.forward is "
                                          "not transformers' dynamic_rope_update"):
         RolloutEngine(model)
+
+
+def test_a_no_grad_over_the_dynamic_decorator_is_looked_through():
+    # transformers versions that put @torch.no_grad() over @dynamic_rope_update: the engine
+    # took the first wrapper down, the dynamic update itself, with its 2 host reads a step
+    model = dynamic_model("hf_llama")
+    rotary = model.model.rotary_emb
+
+    class NoGradOverTheUpdate(type(rotary)):
+        forward = torch.no_grad()(type(rotary).forward)
+
+    rotary.__class__ = NoGradOverTheUpdate
+    engine, ours, theirs = sample(model, ragged_prompts())
+    assert torch.equal(ours, theirs)
+    ws = engine._workspace
+    ws.cache.step.zero_()
+    with torch.no_grad(), _CountHostReads() as count:
+        ws.step_fn(*ws.cache.decode_tensors())
+    assert count.reads == 0
