@@ -98,8 +98,10 @@ class GRPOLoss:
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={self.aggregation!r} must be one of {AGGREGATIONS}")
-        for name in ("epsilon_low", "epsilon_high", "kl_coef"):
+        for name in ("epsilon_high", "kl_coef"):
             setattr(self, name, real_arg(name, getattr(self, name), 0.0))
+        # the lower bound 1 - epsilon_low: past 1 it is negative, a no-op clip (2.0 for 0.2)
+        self.epsilon_low = real_arg("epsilon_low", self.epsilon_low, 0.0, 1.0)
         if self.max_response_len is not None:
             self.max_response_len = integer_arg("max_response_len", self.max_response_len, 1)
 

@@ -145,6 +145,9 @@ def test_bad_loss_settings():
     for kw, match in [(dict(epsilon_high=float("nan")), "epsilon_high=nan"),
                       (dict(kl_coef=float("inf")), "kl_coef=inf"),
                       (dict(epsilon_low="0.2"), "epsilon_low='0.2' must be a finite number"),
+                      # a lower clip bound 1 - 2.0 < 0 never clips: 2.0 was meant as 0.2
+                      (dict(epsilon_low=2.0), r"epsilon_low=2.0 must be a finite number in "
+                                              r"\[0.0, 1.0\]"),
                       (dict(aggregation="constant", max_response_len=0), "max_response_len=0")]:
         with pytest.raises(ValueError, match=match):
             GRPOLoss(**kw)
