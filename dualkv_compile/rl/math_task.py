@@ -9,7 +9,9 @@ value ("10.00" matches "10", "0.5" matches "1/2" and "\\frac{1}{2}"), else 0.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import re
 import string
 from fractions import Fraction
@@ -22,6 +24,8 @@ from torch import Tensor
 from .tasks import SeededTask
 
 __all__ = ["MathJSONLTask", "final_number"]
+
+log = logging.getLogger(__name__)
 
 # a number: a sign (ASCII or Unicode minus) unless it follows a digit or letter ("10-5",
 # "2023-10-05" are no negative numbers); digits with thousands separators in groups of three,
@@ -148,9 +152,11 @@ class MathJSONLTask(SeededTask):
             raise FileNotFoundError(f"dataset {path} does not exist")
         _check_template(prompt_template)
         self.questions, self.answers = [], []
+        raw = path.read_bytes()
+        self.fingerprint = hashlib.sha256(raw).hexdigest()  # a resume compares it
         # JSON lines end at "\n" only: str.splitlines() also breaks at U+2028 and U+0085,
         # which json.dumps(ensure_ascii=False) leaves inside strings
-        for n, line in enumerate(path.read_text().split("\n"), 1):
+        for n, line in enumerate(raw.decode().split("\n"), 1):
             if line.strip():
                 try:
                     row = json.loads(line)
@@ -165,7 +171,21 @@ class MathJSONLTask(SeededTask):
                 self.answers.append(_answer_of(row["answer"], f"{path}:{n}"))
         if not self.questions:
             raise ValueError(f"dataset {path} is empty")
-        self.tokenizer, self.template = tokenizer, prompt_template
+        self.tokenizer, self.template, self.path = tokenizer, prompt_template, path
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "dataset_sha256": self.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The prompt order continues; a dataset whose contents changed since the checkpoint
+        (same path, other lines) is said once: the order then differs from the interrupted
+        run's."""
+        saved = state.get("dataset_sha256")
+        if saved is not None and saved != self.fingerprint:
+            log.warning("the dataset %s changed since the checkpoint was written (sha256 %s..., "
+                        "now %s...): the resumed run draws other prompts than the interrupted "
+                        "one would have", self.path, saved[:12], self.fingerprint[:12])
+        super().load_state_dict(state)
 
     def _encode(self, i: int) -> list[int]:
         return self.tokenizer.encode(self.template.format(question=self.questions[i]))

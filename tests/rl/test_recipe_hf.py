@@ -397,3 +397,17 @@ def test_bos_is_added_where_the_tokenizer_adds_it(tmp_path, checkpoint):
     fast.save_pretrained(tmp_path / "bos_pad")
     with pytest.raises(ValueError, match="also its pad id"):
         HFTokenizer(str(tmp_path / "bos_pad"))
+
+
+def test_a_resume_over_a_changed_dataset_says_so(tmp_path, checkpoint, caplog):
+    # only the path was compared: other lines behind it changed the prompt order unsaid
+    folder, _ = checkpoint
+    tok = HFTokenizer(str(folder))
+    path = _dataset(tmp_path, {"question": "1+1?", "answer": "2"})
+    state = MathJSONLTask(tok, path=path).state_dict()
+    MathJSONLTask(tok, path=path).load_state_dict(state)
+    assert "changed since the checkpoint" not in caplog.text
+    path = _dataset(tmp_path, {"question": "1+1?", "answer": "2"},
+                    {"question": "2+3?", "answer": "5"})
+    MathJSONLTask(tok, path=path).load_state_dict(state)
+    assert "data.jsonl changed since the checkpoint was written" in caplog.text
