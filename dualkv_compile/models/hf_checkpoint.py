@@ -93,15 +93,24 @@ def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
               num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
               embed_dim=cfg["hidden_size"], intermediate_dim=cfg["intermediate_size"],
               head_dim=cfg.get("head_dim") or 128,  # Qwen3Config's default, not hidden / heads
-              max_seq_len=cfg.get("max_position_embeddings", 40960),
+              max_seq_len=cfg.get("max_position_embeddings", 32768),  # Qwen3Config's default
               rope_base=_rope_theta(cfg), norm_eps=cfg.get("rms_norm_eps", 1e-6),
               tie_word_embeddings=cfg.get("tie_word_embeddings", False))
     return qwen3(**{**kw, **overrides})
 
 
+_SHAPE_FIELDS = ("vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "hidden_size", "intermediate_size")
+
+
 def _check_dense_qwen3(cfg: dict, path: Path) -> None:
     """Refuse, by name, the config fields this builder cannot honour: another model type,
-    sliding-window layers, an activation other than SiLU."""
+    sliding-window layers, an activation other than SiLU, attention biases or dropout, and
+    the shape fields it does not guess when they are missing."""
+    missing = [k for k in _SHAPE_FIELDS if k not in cfg]
+    if missing:
+        raise ValueError(f"{path}: config.json lacks {missing}, which this Qwen3 builder reads "
+                         f"(every Qwen3 release's config.json holds them)")
     kind = cfg.get("model_type", "qwen3")
     if kind != "qwen3":
         hint = " (use models.qwen3_moe_from_hf_config)" if kind == "qwen3_moe" else ""
@@ -114,6 +123,12 @@ def _check_dense_qwen3(cfg: dict, path: Path) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{path}: hidden_act={act!r}; this Qwen3 builder's MLP uses SiLU")
+    if cfg.get("attention_bias", False):  # its weights would then fail to load, unnamed
+        raise ValueError(f"{path}: attention_bias=true; this Qwen3 builder's q/k/v/o "
+                         f"projections have no bias (Qwen3's have none)")
+    if cfg.get("attention_dropout", 0.0):
+        raise ValueError(f"{path}: attention_dropout={cfg['attention_dropout']!r}; this Qwen3 "
+                         f"builder has no attention dropout (set it to 0.0 in a copy)")
 
 
 def _tied(model: nn.Module) -> bool:

@@ -105,11 +105,17 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
      "sliding-window attention"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window attention"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    # built without biases, then a KeyError on their weights; dropout dropped silently; a
+    # bare KeyError
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"attention_dropout": 0.5}, "attention_dropout=0.5"),
+    ({"num_key_value_heads": None}, r"lacks \['num_key_value_heads'\]"),
 ])
 def test_config_fields_the_builder_cannot_honour_are_named(tmp_path, changes, message):
     hf_model(tied=False).config.save_pretrained(tmp_path)
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    cfg = json.loads(path.read_text()) | changes
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     with pytest.raises(ValueError, match=message):
         qwen3_from_hf_config(tmp_path)
 
@@ -137,3 +143,13 @@ def test_random_weights_are_drawn_as_transformers_draws_them():
     with torch.no_grad():
         probs = model(tokens).float().softmax(-1)
     assert probs.max() < 0.1  # close to uniform (1/500), nowhere near one certain token
+
+
+def test_a_context_config_json_leaves_out_is_transformers_default(tmp_path):
+    # it was 40960; transformers' Qwen3Config builds 32768
+    hf_model(tied=False).config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["max_position_embeddings"]
+    path.write_text(json.dumps(cfg))
+    assert qwen3_from_hf_config(tmp_path).max_seq_len == 32768
