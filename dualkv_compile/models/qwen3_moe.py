@@ -50,9 +50,11 @@ qwen3_moe_tiny = preset(qwen3_moe, "qwen3_moe_tiny", "A 2-layer Qwen3-MoE of 64 
                         moe_intermediate_dim=32, num_experts=4, experts_per_token=2)
 
 
-def qwen3_moe_from_hf_config(path: str, **overrides):
+def qwen3_moe_from_hf_config(path: str, *, grouped_experts: bool = False, **overrides):
     """A Qwen3-MoE with the shape of a transformers config.json (file or directory), set up as
     qwen3_moe sets it up; the weights come from the checkpointer (Qwen3HFCheckpointer).
+    `grouped_experts`: our grouped expert op (grouped GEMMs; the per-token dispatch gathers
+    every token's expert weights, beyond any GPU at real sizes), which changes no weight.
     `overrides` are Qwen3MoeConfig fields (transformers' names: num_hidden_layers, ...); any
     other name is refused."""
     import transformers as tf
@@ -70,4 +72,9 @@ def qwen3_moe_from_hf_config(path: str, **overrides):
                          "supported: optimize() runs the decoder body only and computes no "
                          "router loss; set it to False in config.json or the model overrides")
     cfg._experts_implementation = "batched_mm"
-    return tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model = tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    if grouped_experts:
+        from .moe_experts import use_grouped_experts
+
+        use_grouped_experts(model)
+    return model

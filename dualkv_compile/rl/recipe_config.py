@@ -257,16 +257,16 @@ class _Checker:
                                      "not -1")
         model, checkpointer = config.get("model"), config.get("checkpointer")
         if isinstance(model, dict) and isinstance(checkpointer, dict):
-            allowed = ["path", "max_seq_len"]  # what the model section may set over config.json
+            allowed = ["path", "max_seq_len", "grouped_experts"]  # over config.json
             for key in sorted(set(model) - {"_component_", *allowed}):
                 # one line per key, with where it came from; a near miss of an allowed key (no
                 # Qwen3 builder's parameter is one) is a typo: the component check only warned
                 close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
                 if close:
                     self.bad(f"model.{key}", f"unknown key; did you mean {close[0]!r}? (with a "
-                                             "checkpointer the model section sets only path "
-                                             "and max_seq_len over the checkpoint's "
-                                             "config.json)")
+                                             "checkpointer the model section sets only path, "
+                                             "max_seq_len and grouped_experts over the "
+                                             "checkpoint's config.json)")
                     continue
                 self.bad(f"model.{key}", "overrides the checkpoint's config.json, which the "
                                          "checkpointer copies into every saved folder "

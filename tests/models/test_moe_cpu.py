@@ -188,9 +188,13 @@ def test_the_rollout_engine_samples_what_the_reference_samples_on_qwen3_moe(grou
     assert torch.equal(ours, theirs)
 
 
-def test_the_recipe_trains_a_qwen3_moe_checkpoint_and_writes_one_transformers_reads(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True], ids=["dispatch", "grouped_experts"])
+def test_the_recipe_trains_a_qwen3_moe_checkpoint_and_writes_one_transformers_reads(tmp_path,
+                                                                                     grouped):
     """Qwen3HFCheckpointer reads a transformers Qwen3-MoE checkpoint into the recipe (built by
-    models.qwen3_moe_from_hf_config) and writes the trained weights back in its format."""
+    models.qwen3_moe_from_hf_config) and writes the trained weights back in its format; with
+    the grouped expert op too (a checkpoint could only run the per-token dispatch, which
+    gathers every token's expert weights: 1.9 TiB a layer at Qwen3-30B-A3B's size)."""
     from omegaconf import OmegaConf
     from recipe_helpers import ROOT, load_recipe
 
@@ -203,13 +207,14 @@ def test_the_recipe_trains_a_qwen3_moe_checkpoint_and_writes_one_transformers_re
     tf.Qwen3MoeForCausalLM._from_config(cfg).save_pretrained(folder, safe_serialization=True)
     conf = OmegaConf.load(ROOT / "recipes" / "configs" / "tiny_moe_grpo.yaml")
     conf.model = {"_component_": "dualkv_compile.models.qwen3_moe_from_hf_config",
-                  "path": str(folder)}
+                  "path": str(folder), **({"grouped_experts": True} if grouped else {})}
     conf.checkpointer = {"_component_": "dualkv_compile.models.Qwen3HFCheckpointer",
                          "checkpoint_dir": str(folder), "output_dir": str(tmp_path / "hf")}
     for key, value in {"output_dir": str(tmp_path / "run"), "num_steps": 2}.items():
         OmegaConf.update(conf, key, value)
     recipe = load_recipe().GRPORecipe(conf)
     recipe.setup()
+    assert (recipe.model.config._experts_implementation == "batched_mm") != grouped
     source = tf.Qwen3MoeForCausalLM.from_pretrained(folder)
     for name, value in source.state_dict().items():  # the checkpoint's weights were loaded
         assert torch.equal(recipe.model.state_dict()[name], value), name

@@ -27,7 +27,17 @@ def test_a_misspelt_model_key_beside_a_checkpointer_names_the_near_miss(override
     key = override.split("=")[0]
     assert e.value.problems == [f"{key} (command-line override {override!r}): unknown key; did "
                                 f"you mean {near!r}? (with a checkpointer the model section sets "
-                                "only path and max_seq_len over the checkpoint's config.json)"]
+                                "only path, max_seq_len and grouped_experts over the "
+                                "checkpoint's config.json)"]
+
+
+def test_a_moe_checkpoint_may_run_the_grouped_expert_op(monkeypatch):
+    # refused as an override of config.json: a checkpoint could only run the per-token
+    # dispatch, which cannot fit at Qwen3-30B-A3B's size
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _checked("qwen3_1_7b_grpo.yaml", "checkpoint_dir=/tmp", "device=cpu",
+                    "model._component_=dualkv_compile.models.qwen3_moe_from_hf_config",
+                    "model.grouped_experts=true") == []
 
 
 def test_an_overlong_band_past_every_response_is_refused_and_one_cut_short_warned(monkeypatch):
