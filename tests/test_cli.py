@@ -182,6 +182,19 @@ def test_plan_notes_a_model_type_optimize_refuses(tmp_path, capsys):
     assert out.startswith("note: optimize() refuses model_type 'bert'")
 
 
+def test_plan_refuses_shared_experts_it_would_leave_out(tmp_path, capsys):
+    # a Qwen2-MoE config planned as 13.49B parameters with or without its shared expert
+    # (transformers counts 14.32B)
+    cfg = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 5632,
+           "moe_intermediate_size": 1408, "num_experts": 60, "num_experts_per_tok": 4,
+           "shared_expert_intermediate_size": 5632, "vocab_size": 151936}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path), "-N", "8", "-P", "512", "-R", "128"]) == 2
+    assert "shared experts ({\"shared_expert_intermediate_size\": 5632}) are not modelled" in \
+        capsys.readouterr().err
+
+
 def test_plan_counts_every_expert_and_the_logits_once_per_micro_batch(tmp_path, capsys):
     # a Qwen3-30B-A3B config was planned as a 3.3B dense model, and the LM head's chunk of
     # logits (one per micro-batch) was counted once per group

@@ -125,6 +125,11 @@ def _hf_dims(cfg: dict, path: Path) -> dict:
         if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
             raise CliError(f"{path}: layers without experts (decoder_sparse_step, "
                            "mlp_only_layers) are not modelled; plan takes every layer sparse")
+        shared = {k: cfg[k] for k in ("shared_expert_intermediate_size", "n_shared_experts")
+                  if cfg.get(k)}
+        if shared:  # (Qwen2-MoE's, DeepSeek's) an MLP every token runs besides its experts
+            raise CliError(f"{path}: shared experts ({json.dumps(shared)}) are not modelled; "
+                           "plan counts the routed experts only")
         for key in ("num_experts_per_tok",):
             if type(cfg.get(key)) is not int or not 1 <= cfg[key] <= experts:
                 raise CliError(f"{path}: {key} = {json.dumps(cfg.get(key))} must be an integer "
