@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import signal
 import sys
+import threading
 
 from ._common import OneLineParser, positive_int, seed_int
 from .bench import SUITE
@@ -37,10 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     from ..attention.registry import KERNELS  # imports torch: inside main's Ctrl-C handling
 
     models = ", ".join(TINY + tuple(PRESETS))
-    ap = OneLineParser(prog="dualkv", description=__doc__.split("\n\n")[0])
+    # no abbreviated flags: `plan --group 2` was taken for --group-size (N), where inspect's
+    # and mask's parsers, which also have --groups, call it ambiguous
+    ap = OneLineParser(prog="dualkv", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     subs = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    ins = subs.add_parser("inspect", help="trace a model through optimize() on CPU and show "
+    ins = subs.add_parser("inspect", allow_abbrev=False, help="trace a model through optimize() on CPU and show "
                                           "the graph before and after each pass")
     ins.add_argument("--model", required=True, help=f"{models}, or a config.json path")
     _layout(ins)
@@ -54,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "regions op (regions: cuDNN, flash_regions: flash-attn-4); default "
                           "auto")
 
-    msk = subs.add_parser("mask", help="draw the block mask of a layout as a PNG")
+    msk = subs.add_parser("mask", allow_abbrev=False, help="draw the block mask of a layout as a PNG")
     _layout(msk)
     msk.add_argument("--ragged", action="store_true",
                      help="random response lengths up to --response-len")
@@ -68,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "within 1024 pixels a side)")
     msk.add_argument("--out", required=True, help="PNG file to write")
 
-    pln = subs.add_parser("plan", help="predicted savings and memory with and without dualkv")
+    pln = subs.add_parser("plan", allow_abbrev=False, help="predicted savings and memory with and without dualkv")
     pln.add_argument("--model", required=True, help=f"{models}, or a config.json path")
     # the same spellings as inspect's and mask's layout flags
     pln.add_argument("-N", "--group-size", dest="N", type=int, required=True,
@@ -82,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--state-bytes", type=positive_int, default=12,
                      help="training-state bytes per parameter (default 12)")
 
-    bch = subs.add_parser("bench", help="run a benchmark of the suite (needs CUDA)",
+    bch = subs.add_parser("bench", allow_abbrev=False, help="run a benchmark of the suite (needs CUDA)",
                           description="Runs one benchmark; the arguments after its name are "
                                       "passed to it (`dualkv bench attention --help`).")
     bch.add_argument("name", choices=sorted(SUITE))
@@ -116,8 +120,8 @@ def _unknown_flags(parser, argv: list[str]) -> None:
             return
         name = arg.split("=", 1)[0]
         if name.startswith("--"):
-            if any(f.startswith(name) for f in flags):
-                continue  # a flag (argparse takes unique prefixes)
+            if name in flags:
+                continue  # a flag (whole: the parsers take no abbreviations)
         elif not name.startswith("-") or _is_number(name) or any(arg.startswith(f) for f in short):
             continue  # a value (a negative number too), or a short flag (-N2 carries its value)
         close = difflib.get_close_matches(name, flags, n=1)
@@ -127,11 +131,25 @@ def _unknown_flags(parser, argv: list[str]) -> None:
 
 def main(argv=None) -> int:
     args = None
+    # Python drops a KeyboardInterrupt raised inside a __del__ (as one was while transformers
+    # imported): the command then ran to its end and exited 0. The handler notes each Ctrl-C,
+    # so a dropped one still ends the command as interrupted.
+    pressed = []
+
+    def on_sigint(signum, frame):
+        pressed.append(signum)
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         parser = build_parser()
         _unknown_flags(parser, sys.argv[1:] if argv is None else list(argv))
         args = parser.parse_args(argv)
-        return _run(args)
+        code = _run(args)
+        if pressed:  # one that was dropped on the way
+            raise KeyboardInterrupt
+        return code
     except KeyboardInterrupt:
         print(f"{_prog(args)}: interrupted", file=sys.stderr)
         return 130
@@ -142,6 +160,9 @@ def main(argv=None) -> int:
         print(f"{_prog(args)}: error: {e}", file=sys.stderr)
         _drop_stdout()
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _prog(args) -> str:

@@ -49,6 +49,9 @@ from dualkv_compile.tools.cli import main
      "dualkv inspect: error: unrecognized argument --modle; did you mean --model?"),
     (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "-X"],
      "dualkv plan: error: unrecognized argument -X"),
+    # an abbreviation: plan took --group for --group-size (N), inspect called it ambiguous
+    (["plan", "--model", "qwen3-8b", "--group", "2", "-P", "3", "-R", "4"],
+     "dualkv plan: error: unrecognized argument --group; did you mean --group-size?"),
 ])
 def test_errors_exit_2_with_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a relative --out lands in a writable folder
@@ -251,6 +254,29 @@ def test_a_closed_pipe_or_an_interrupt_ends_quietly(monkeypatch, capsys):
         monkeypatch.setattr(plan_cmd, "run_plan", stopped)
         assert main(["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4"]) == code
     assert capsys.readouterr().err.strip() == "dualkv plan: interrupted"
+
+
+def test_an_interrupt_python_drops_still_ends_the_command_as_interrupted(monkeypatch, capsys):
+    # a KeyboardInterrupt raised inside a __del__ (as one was while transformers imported) is
+    # dropped by Python: the command ran to its end and exited 0
+    import os
+    import signal
+
+    from dualkv_compile.tools import plan_cmd
+
+    class PressedInDel:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def run(args):
+        PressedInDel()  # collected at once: its KeyboardInterrupt is "ignored"
+        print("the whole plan")
+        return 0
+
+    monkeypatch.setattr(plan_cmd, "run_plan", run)
+    assert main(["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4"]) == 130
+    assert capsys.readouterr().err.strip().endswith("dualkv plan: interrupted")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_an_interrupt_while_the_command_starts_ends_quietly(monkeypatch, capsys):
