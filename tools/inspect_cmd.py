@@ -58,6 +58,9 @@ def _head_dim(model) -> int | None:
 def _write(folder: Path, stages, refusal) -> None:
     """Each stage's graph as text, and the attention region's SVG when nothing was refused."""
     folder.mkdir(parents=True, exist_ok=True)
+    # an earlier run's files would pass for this run's (a refused run writes fewer stages)
+    for old in [*folder.glob("[0-9]_*.txt"), folder / "attention_region.svg"]:
+        old.unlink(missing_ok=True)
     for i, (stage, text, gm) in enumerate(stages):
         (folder / f"{i}_{stage}.txt").write_text(text)
     if stages and refusal is None:
@@ -65,7 +68,9 @@ def _write(folder: Path, stages, refusal) -> None:
 
 
 def run_inspect(args, out=print) -> int:
-    folder = check_out_path(args.out, folder=True) if args.out else None
+    if args.out is not None and not args.out.strip():  # (it wrote nothing, and said nothing)
+        raise CliError(f"--out {args.out!r}: name a folder")
+    folder = check_out_path(args.out, folder=True) if args.out is not None else None
     tokens = args.groups * (args.prompt_len + args.group_size * args.response_len)
     if tokens > MAX_TOKENS:
         raise CliError(f"the layout packs {tokens:,} tokens, more than inspect runs on the CPU "

@@ -4,6 +4,7 @@ Hugging Face config.json (or the directory holding it)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 __all__ = ["CliError", "TINY", "PRESETS", "TINY_MAX_POSITIONS", "available_memory", "model_dims",
@@ -109,7 +110,19 @@ def _transformers_defaults(cfg: dict) -> dict:
             if type(getattr(built, k, None)) is int and getattr(built, k) >= 1}
 
 
+# structures plan's estimate does not model, which it would otherwise leave out silently:
+# shared experts (Qwen2-MoE, DeepSeek), DeepSeek's routed experts, dense first layers and
+# low-rank attention (MLA)
+_UNMODELLED = ("shared_expert_intermediate_size", "n_shared_experts", "n_routed_experts",
+               "first_k_dense_replace", "kv_lora_rank", "q_lora_rank")
+
+
 def _hf_dims(cfg: dict, path: Path) -> dict:
+    unmodelled = {k: cfg[k] for k in _UNMODELLED if cfg.get(k)}
+    if unmodelled:
+        raise CliError(f"{path}: {json.dumps(unmodelled)} describe a structure plan does not "
+                       "model (shared or DeepSeek experts, low-rank attention); its figures "
+                       "would leave them out")
     heads = cfg["num_attention_heads"]
     dims = dict(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
                 kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -125,11 +138,6 @@ def _hf_dims(cfg: dict, path: Path) -> dict:
         if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
             raise CliError(f"{path}: layers without experts (decoder_sparse_step, "
                            "mlp_only_layers) are not modelled; plan takes every layer sparse")
-        shared = {k: cfg[k] for k in ("shared_expert_intermediate_size", "n_shared_experts")
-                  if cfg.get(k)}
-        if shared:  # (Qwen2-MoE's, DeepSeek's) an MLP every token runs besides its experts
-            raise CliError(f"{path}: shared experts ({json.dumps(shared)}) are not modelled; "
-                           "plan counts the routed experts only")
         for key in ("num_experts_per_tok",):
             if type(cfg.get(key)) is not int or not 1 <= cfg[key] <= experts:
                 raise CliError(f"{path}: {key} = {json.dumps(cfg.get(key))} must be an integer "
@@ -200,6 +208,10 @@ def build_model(name: str, layers: int | None = None, positions: int | None = No
     if layers is not None:
         cfg.num_hidden_layers = layers
     _check_memory(name, layers)
+    # (on stderr: stdout may be piped) building a preset's random weights takes up to a minute
+    n = cfg.num_hidden_layers
+    print(f"building {name} with random weights ({n} layer{'s' * (n != 1)})...",
+          file=sys.stderr, flush=True)
     try:
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     except (ValueError, KeyError, AssertionError) as e:  # (transformers asserts, e.g. padding_idx)

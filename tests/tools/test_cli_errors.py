@@ -125,7 +125,9 @@ def test_out_paths_are_checked_before_the_work(tmp_path, capsys):
             (["inspect", "--model", "hf_llama", "--out", str(a_file)],
              f"--out {a_file}: exists and is not a directory"),
             (["inspect", "--model", "hf_llama", "--out", f"{a_file}/graphs"],
-             f"{a_file} is not a directory")]:
+             f"{a_file} is not a directory"),
+            # it wrote nothing and said nothing, exit 0
+            (["inspect", "--model", "hf_llama", "--out="], "--out '': name a folder")]:
         assert main(argv) == 2
         captured = capsys.readouterr()
         assert captured.out == ""  # nothing was traced or drawn
@@ -354,6 +356,18 @@ def test_inspect_writes_its_files_before_printing(tmp_path):
     with pytest.raises(BrokenPipeError):
         run_inspect(args, out=reader_leaves)
     assert len(printed) == 1 and (tmp_path / "graphs" / "attention_region.svg").is_file()
+
+
+def test_inspect_out_holds_this_runs_files_only(tmp_path, capsys):
+    # an earlier run's stage files and SVG stayed beside a later run's, passing for its own
+    folder = tmp_path / "graphs"
+    folder.mkdir()
+    for name in ("9_stale.txt", "attention_region.svg"):
+        (folder / name).write_text("an earlier run's")
+    assert main(["inspect", "--model", "qwen2_5", "--out", str(folder)]) == 0
+    assert not (folder / "9_stale.txt").exists()
+    assert (folder / "attention_region.svg").read_text() != "an earlier run's"
+    assert (folder / "0_traced.txt").is_file()
 
 
 def test_bench_attention_takes_positive_head_counts(monkeypatch, capsys):
