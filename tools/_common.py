@@ -14,8 +14,8 @@ from pathlib import Path
 from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
-           "environment", "interleaved_medians", "parse_shape", "positive_int", "seed_int",
-           "write_results"]
+           "environment", "interleaved_medians", "parse_ragged_case", "parse_shape",
+           "positive_int", "seed_int", "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -58,6 +58,23 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     if min(n, p, r) < 1:
         raise argparse.ArgumentTypeError(f"shape {text!r}: N, P and R must be positive")
     return n, p, r
+
+
+def parse_ragged_case(text: str) -> tuple[int, int, int]:
+    """An argparse type: "P_cap,R_cap,seed", one of bench ragged's seeded cases (two positive
+    caps and a seed_int seed). Unparsed, a malformed case was a ValueError traceback after the
+    model was built."""
+    try:
+        p_cap, r_cap, seed = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ragged case {text!r} must be P_cap,R_cap,seed "
+                                         f"(three integers)") from None
+    if min(p_cap, r_cap) < 1:
+        raise argparse.ArgumentTypeError(f"ragged case {text!r}: P_cap and R_cap must be "
+                                         f"positive")
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"ragged case {text!r}: the seed must be in [0, 2**63)")
+    return p_cap, r_cap, seed
 
 
 def check_out_path(out: str, *, folder: bool) -> Path:

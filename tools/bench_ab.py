@@ -26,8 +26,9 @@ import tarfile
 import torch
 
 from dualkv_compile.attention.registry import KERNELS
-from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, positive_int, write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
+                                          environment, interleaved_medians, positive_int,
+                                          write_results)
 
 OTHER = "dualkv_other"
 # where setuptools maps these source folders inside the package
@@ -74,8 +75,7 @@ def layouts(args):
     from dualkv_compile.testing import make_batch
     from dualkv_compile.tools.bench_ragged import ragged_case
 
-    for shape in args.shapes:
-        n, p, r = (int(x) for x in shape.split(","))
+    for n, p, r in args.shapes:  # parsed by _common.parse_shape
         tokens, mask, plen = make_batch([p], [[r] * n], vocab=1000)
         yield f"aligned {n},{p},{r}", tokens, mask, plen
     for seed in args.ragged_seeds:
@@ -99,7 +99,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--other-dir", required=True)
     ap.add_argument("--kernels", nargs="+", default=["flash", "triton", "regions",
                                                      "flash_regions"], choices=list(KERNELS))
-    ap.add_argument("--shapes", nargs="+", default=["16,4096,1024", "32,8192,1024"])
+    add_shapes_argument(ap, ["16,4096,1024", "32,8192,1024"])
     ap.add_argument("--ragged-seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--max-tokens", type=positive_int, default=262144)
     ap.add_argument("--heads", type=positive_int, default=32)

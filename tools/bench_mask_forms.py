@@ -36,7 +36,8 @@ from dualkv_compile.attention.kernel_options import kernel_options_for
 from dualkv_compile.attention.op import _flex
 from dualkv_compile.recompiles import bounded_recompiles
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
-                                          environment, interleaved_medians, write_results)
+                                          environment, interleaved_medians, parse_ragged_case,
+                                          write_results)
 
 DEFAULT_SHAPES = ["32,4096,1024", "64,2048,512", "32,8192,1024"]
 EXACT = ("visible_until", "segments", "intervals")
@@ -92,10 +93,9 @@ def _layouts(args, dev):
         tokens = torch.cat([torch.randint(1, 1000, (1, p)).expand(n, p),
                             torch.randint(1, 1000, (n, r))], dim=1).to(dev)
         yield f"{n},{p},{r}", pack(tokens, prompt_len=p, group_size=n), None
-    for case in args.ragged:
+    for p_cap, r_cap, seed in args.ragged:  # parsed by _common.parse_ragged_case
         from dualkv_compile.tools.bench_ragged import ragged_case
 
-        p_cap, r_cap, seed = (int(x) for x in case.split(","))
         tokens, mask, p, n, prompts, _ = ragged_case(seed, p_cap, r_cap, args.max_tokens)
         label = f"ragged {p_cap},{r_cap} seed {seed} ({len(prompts)} x {n})"
         yield label, pack(tokens.to(dev), prompt_len=p, padding_mask=mask.to(dev)), mask
@@ -105,7 +105,8 @@ def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
     ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, DEFAULT_SHAPES)
-    ap.add_argument("--ragged", nargs="*", default=[], help="P_cap,R_cap,seed cases")
+    ap.add_argument("--ragged", type=parse_ragged_case, nargs="+", default=[],
+                    metavar="P_cap,R_cap,seed", help="bench ragged's seeded cases")
     ap.add_argument("--max-tokens", type=int, default=262144)
     ap.add_argument("--backend", choices=["flash", "triton"], default="flash")
     ap.add_argument("--bounds", action="store_true", help="also time no_op and all_full")

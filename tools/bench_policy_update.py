@@ -28,7 +28,7 @@ import torch
 import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
-                                          environment, write_results)
+                                          environment, parse_ragged_case, write_results)
 from dualkv_compile.tools.step_inputs import build_model, layouts, useful_flops
 from dualkv_compile.tools.step_profile import print_profile
 
@@ -230,7 +230,8 @@ def main(argv=None, prog=None):
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="torch._inductor.config settings for the optimized model's compile, "
                          "e.g. max_autotune_gemm=True triton.enable_persistent_tma_matmul=True")
-    ap.add_argument("--ragged", nargs="+", default=[], metavar="PCAP,RCAP,SEED",
+    ap.add_argument("--ragged", type=parse_ragged_case, nargs="+", default=[],
+                    metavar="PCAP,RCAP,SEED",
                     help="also time bench_ragged's seeded layout and its aligned twin")
     ap.add_argument("--max-tokens", type=int, default=262144,
                     help="replicated tokens per ragged micro-batch at most")

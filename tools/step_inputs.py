@@ -52,8 +52,7 @@ def layouts(args):
         prompt = torch.randint(1, args.vocab, (1, p), generator=g).expand(n, p)
         tokens = torch.cat([prompt, torch.randint(1, args.vocab, (n, r), generator=g)], 1)
         yield (n, p, r), tokens, torch.ones_like(tokens, dtype=torch.bool), p
-    for case in args.ragged:
-        p_cap, r_cap, seed = (int(x) for x in case.split(","))
+    for p_cap, r_cap, seed in args.ragged:  # parsed by _common.parse_ragged_case
         tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
         tokens = tokens % (args.vocab - 1) + 1  # ragged_case draws ids for a 1000-token vocab
         groups = len(prompts)

@@ -142,7 +142,7 @@ def test_step_benchmark_ragged_layouts_and_their_aligned_twins():
 
     from dualkv_compile.tools.step_inputs import layouts, useful_flops
 
-    args = argparse.Namespace(shapes=[(4, 64, 16)], ragged=["2048,512,0"], vocab=151936,
+    args = argparse.Namespace(shapes=[(4, 64, 16)], ragged=[(2048, 512, 0)], vocab=151936,
                               max_tokens=262144)
     (aligned, ragged, twin, block_twin) = list(layouts(args))
     assert block_twin[3] % 128 == 0 and (block_twin[2].sum(1) % 128 == 0).all()
