@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -15,7 +16,7 @@ from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
            "environment", "interleaved_medians", "parse_ragged_case", "parse_shape",
-           "positive_int", "seed_int", "write_results"]
+           "positive_float", "positive_int", "seed_int", "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -47,6 +48,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a divisor, such as a peak TFLOP/s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number above 0")
     return value
 
 

@@ -28,7 +28,7 @@ import torch
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, interleaved_medians, positive_int,
-                                          write_results)
+                                          seed_int, write_results)
 
 OTHER = "dualkv_other"
 # where setuptools maps these source folders inside the package
@@ -100,7 +100,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--kernels", nargs="+", default=["flash", "triton", "regions",
                                                      "flash_regions"], choices=list(KERNELS))
     add_shapes_argument(ap, ["16,4096,1024", "32,8192,1024"])
-    ap.add_argument("--ragged-seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--ragged-seeds", type=seed_int, nargs="+", default=[0, 1])
     ap.add_argument("--max-tokens", type=positive_int, default=262144)
     ap.add_argument("--heads", type=positive_int, default=32)
     ap.add_argument("--kv-heads", type=positive_int, default=8)
@@ -116,6 +116,9 @@ def main(argv=None, prog=None):
             ap.error(str(e))
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
+    if not os.path.isdir(os.path.join(args.other_dir, OTHER)):  # else a ModuleNotFoundError
+        ap.error(f"--other-dir {args.other_dir}: holds no {OTHER} package; write one with "
+                 f"--prepare COMMIT --other-dir {args.other_dir}")
     sys.path.insert(0, args.other_dir)
     sides = {"this": importlib.import_module("dualkv_compile"),
              "other": importlib.import_module(OTHER)}

@@ -16,7 +16,7 @@ import json
 import torch
 
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, write_results)
+                                          interleaved_medians, positive_int, write_results)
 
 # Qwen3-8B: hidden 4096, 32 x 128 query heads, 8 x 128 key-value heads, MLP 12288
 GROUPS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [12288, 12288]),
@@ -44,9 +44,9 @@ def _variants(x, dy_parts, weights):
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
     ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[40960])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rep-ms", type=int, default=1000)
+    ap.add_argument("--tokens", type=positive_int, nargs="+", default=[40960])
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--rep-ms", type=positive_int, default=1000)
     add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -21,7 +21,7 @@ import torch
 
 from dualkv_compile.lm_head import logprobs as lp
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, write_results)
+                                          interleaved_medians, positive_int, write_results)
 
 
 def _eager_kernels(device):
@@ -31,12 +31,12 @@ def _eager_kernels(device):
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
     ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[32768],
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[32768],
                     help="response positions (N x R)")
-    ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dim", type=positive_int, default=4096)
+    ap.add_argument("--vocab", type=positive_int, default=151936)
+    ap.add_argument("--chunks", type=positive_int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--rounds", type=positive_int, default=5)
     add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

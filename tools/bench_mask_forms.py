@@ -37,7 +37,7 @@ from dualkv_compile.attention.op import _flex
 from dualkv_compile.recompiles import bounded_recompiles
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, interleaved_medians, parse_ragged_case,
-                                          write_results)
+                                          positive_int, write_results)
 
 DEFAULT_SHAPES = ["32,4096,1024", "64,2048,512", "32,8192,1024"]
 EXACT = ("visible_until", "segments", "intervals")
@@ -107,13 +107,13 @@ def main(argv=None, prog=None):
     add_shapes_argument(ap, DEFAULT_SHAPES)
     ap.add_argument("--ragged", type=parse_ragged_case, nargs="+", default=[],
                     metavar="P_cap,R_cap,seed", help="bench ragged's seeded cases")
-    ap.add_argument("--max-tokens", type=int, default=262144)
+    ap.add_argument("--max-tokens", type=positive_int, default=262144)
     ap.add_argument("--backend", choices=["flash", "triton"], default="flash")
     ap.add_argument("--bounds", action="store_true", help="also time no_op and all_full")
     ap.add_argument("--varlen", action="store_true",
                     help="also time FA4's varlen kernel on the ragged rows (x ideal)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rep-ms", type=int, default=3000)
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--rep-ms", type=positive_int, default=3000)
     add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.ragged and "--shapes" not in (sys.argv[1:] if argv is None else argv):

@@ -17,6 +17,7 @@ dense peak given by --peak-tflops.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -28,11 +29,32 @@ import torch
 import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
-                                          environment, parse_ragged_case, write_results)
+                                          environment, parse_ragged_case, positive_float,
+                                          positive_int, write_results)
 from dualkv_compile.tools.step_inputs import build_model, layouts, useful_flops
 from dualkv_compile.tools.step_profile import print_profile
 
 DEFAULT_SHAPES = ["16,4096,1024", "32,8192,1024", "32,2048,512"]
+# step_inputs.layouts: a ragged case's aligned twins of up to 8 groups draw make_batch's
+# distinct first tokens from vocab - groups - 1 ids, which must exceed groups + 1
+MIN_VOCAB = 2 * 8 + 3
+
+
+def _vocab(text: str) -> int:
+    """An argparse type: --vocab, at least MIN_VOCAB."""
+    value = positive_int(text)
+    if value < MIN_VOCAB:
+        raise argparse.ArgumentTypeError(f"{value} must be at least {MIN_VOCAB}")
+    return value
+
+
+def _memory_budget(text: str) -> float:
+    """An argparse type: DualKVConfig.activation_memory_budget, in (0, 1] (the config refused
+    anything else only after the model was built)."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
 
 
 
@@ -194,20 +216,22 @@ def main(argv=None, prog=None):
                     choices=["qwen3_8b", "qwen3_30b_a3b"], default="qwen3_8b",
                     help="the decoder's shape: qwen3-8b, or the qwen3-30b-a3b mixture of "
                          "experts (grouped expert op); default qwen3-8b")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--memory-budget", type=float, default=1.0,
-                    help="activation_memory_budget of the optimized model")
-    ap.add_argument("--peak-tflops", type=float, default=989.0,
+    ap.add_argument("--layers", type=positive_int, default=8)
+    ap.add_argument("--vocab", type=_vocab, default=151936,
+                    help=f"at least {MIN_VOCAB} (default 151936)")
+    ap.add_argument("--steps", type=positive_int, default=3, help="timed steps (default 3)")
+    ap.add_argument("--warmup", type=positive_int, default=2,
+                    help="untimed steps before them, the first compiles (default 2)")
+    ap.add_argument("--memory-budget", type=_memory_budget, default=1.0,
+                    help="activation_memory_budget of the optimized model, in (0, 1]")
+    ap.add_argument("--peak-tflops", type=positive_float, default=989.0,
                     help="bf16 dense peak for MFU (H100 SXM: 989)")
     ap.add_argument("--plain-checkpointing", choices=["on", "off"], default="on",
                     help="transformers gradient checkpointing for the plain model")
     ap.add_argument("--dualkv-checkpointing", choices=["on", "off"], default="on",
                     help="the same transformers gradient checkpointing for the optimized model "
                          "(its layers are inlined and recomputed; attention is saved)")
-    ap.add_argument("--plain-micro-batch", type=int, default=None, metavar="ROWS",
+    ap.add_argument("--plain-micro-batch", type=positive_int, default=None, metavar="ROWS",
                     help="run the plain model's forward + backward in micro-batches of ROWS "
                          "rows with gradient accumulation (same gradient), for shapes whose "
                          "whole replicated batch does not fit; default: all rows at once")
@@ -222,7 +246,8 @@ def main(argv=None, prog=None):
                     help="fused: response_loss (the LM head's backward in its forward); "
                          "separate: response_logprobs, then the loss; both: time the optimized "
                          "model both ways (the plain model runs the first)")
-    ap.add_argument("--logprob-chunk-size", type=int, nargs="+", default=[4096], metavar="C",
+    ap.add_argument("--logprob-chunk-size", type=positive_int, nargs="+", default=[4096],
+                    metavar="C",
                     help="the optimized model's LM-head chunk (DualKVConfig.logprob_chunk_size); "
                          "several: one optimized variant each, timed interleaved")
     ap.add_argument("--no-plain", action="store_true",
@@ -233,7 +258,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--ragged", type=parse_ragged_case, nargs="+", default=[],
                     metavar="PCAP,RCAP,SEED",
                     help="also time bench_ragged's seeded layout and its aligned twin")
-    ap.add_argument("--max-tokens", type=int, default=262144,
+    ap.add_argument("--max-tokens", type=positive_int, default=262144,
                     help="replicated tokens per ragged micro-batch at most")
     add_out_argument(ap)
     ap.add_argument("--profile", action="store_true",

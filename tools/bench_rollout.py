@@ -30,7 +30,11 @@ from dualkv_compile.models import qwen3_8b
 from dualkv_compile.models.qwen3_sizes import QWEN3_SIZES, QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
-                                          environment, write_results)
+                                          check_out_path, environment, positive_int,
+                                          write_results)
+from dualkv_compile.tools.models import CliError
+
+MAX_SEQ_LEN = 16384  # the positions both models are built with: P + R at most
 
 
 def _copy_bandwidth() -> float:
@@ -89,7 +93,7 @@ def _hf_model(layers: int):
     cfg = tf.Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=d["embed_dim"],
                          intermediate_size=d["intermediate_dim"], num_hidden_layers=layers,
                          num_attention_heads=d["num_heads"], num_key_value_heads=d["num_kv_heads"],
-                         head_dim=d["head_dim"], max_position_embeddings=16384,
+                         head_dim=d["head_dim"], max_position_embeddings=MAX_SEQ_LEN,
                          tie_word_embeddings=False)
     with torch.device("cuda"):
         model = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa")
@@ -174,9 +178,10 @@ def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
     ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_shapes_argument(ap, ["16,4096,256"])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--groups", type=int, nargs="+", default=[1], help="prompts per call")
-    ap.add_argument("--baseline-steps", type=int, default=128)
+    ap.add_argument("--layers", type=positive_int, default=8)
+    ap.add_argument("--groups", type=positive_int, nargs="+", default=[1],
+                    help="prompts per call")
+    ap.add_argument("--baseline-steps", type=positive_int, default=128)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--no-torchtune", action="store_true", help="skip the previous sampler")
     ap.add_argument("--no-replicated", action="store_true")
@@ -188,11 +193,20 @@ def main(argv=None, prog=None):
                          "CUDA graphs) of each engine variant to PATH_<variant>_...txt")
     add_out_argument(ap)
     args = ap.parse_args(argv)
+    for n, p, r in args.shapes:  # else the first call past it fails, after the others ran
+        if p + r > MAX_SEQ_LEN:
+            ap.error(f"--shapes {n},{p},{r}: P + R = {p + r} positions, more than the models' "
+                     f"{MAX_SEQ_LEN}")
+    if args.profile:  # written after the timings: its directory is checked first
+        try:
+            check_out_path(f"{args.profile}_engine.txt", folder=False)
+        except CliError as e:
+            ap.error(f"--profile {args.profile}: {e}")
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = qwen3_8b(num_layers=args.layers, max_seq_len=16384)
+        model = qwen3_8b(num_layers=args.layers, max_seq_len=MAX_SEQ_LEN)
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     bandwidth = _copy_bandwidth()
     hf = None if args.no_hf else _hf_model(args.layers)

@@ -33,3 +33,49 @@ def test_layout_arguments_are_parsed_before_the_work(argv, message, monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never past the arguments
     err = _refused(["bench", *argv], capsys)
     assert err.startswith(f"dualkv bench {argv[0]}: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    # --rounds 0 timed nothing and ended in StatisticsError (no median of no rounds)
+    (["linears", "--tokens", "128", "--rounds", "0"], "argument --rounds: 0 must be at least 1"),
+    (["linears", "--tokens", "0"], "argument --tokens: 0 must be at least 1"),
+    (["lm-head", "--rows", "128", "--rounds", "0"], "argument --rounds: 0 must be at least 1"),
+    (["lm-head", "--chunks", "0"], "argument --chunks: 0 must be at least 1"),
+    (["lm-head", "--vocab", "-5"], "argument --vocab: -5 must be at least 1"),
+    # --steps 0 reached median([]) after the compiles; the rest failed inside the model or loss
+    (["step", "--steps", "0"], "argument --steps: 0 must be at least 1"),
+    (["step", "--warmup", "0"], "argument --warmup: 0 must be at least 1"),
+    (["model", "--layers", "0"], "argument --layers: 0 must be at least 1"),
+    (["step", "--vocab", "5"], "argument --vocab: 5 must be at least 19"),
+    (["step", "--plain-micro-batch", "0"], "argument --plain-micro-batch: 0 must be at least 1"),
+    (["step", "--logprob-chunk-size", "4096", "0"],
+     "argument --logprob-chunk-size: 0 must be at least 1"),
+    (["step", "--max-tokens", "-1"], "argument --max-tokens: -1 must be at least 1"),
+    (["step", "--memory-budget", "1.5"], "argument --memory-budget: 1.5 must be in (0, 1]"),
+    (["step", "--peak-tflops", "0"], "argument --peak-tflops: 0.0 must be a finite number above 0"),
+    (["step", "--peak-tflops", "nan"], "argument --peak-tflops: nan must be a finite number"),
+    (["rollout", "--layers", "0"], "argument --layers: 0 must be at least 1"),
+    (["rollout", "--groups", "1", "0"], "argument --groups: 0 must be at least 1"),
+    (["rollout", "--baseline-steps", "0"], "argument --baseline-steps: 0 must be at least 1"),
+    (["rollout", "--shapes", "16,16000,1024"],
+     "--shapes 16,16000,1024: P + R = 17024 positions, more than the models' 16384"),
+    (["rollout", "--profile", "/nonexistent/dir/prof"],
+     "--profile /nonexistent/dir/prof: no such directory: /nonexistent/dir"),
+    (["mask-forms", "--rounds", "0"], "argument --rounds: 0 must be at least 1"),
+    (["mask-forms", "--rep-ms", "0"], "argument --rep-ms: 0 must be at least 1"),
+    (["mask-forms", "--max-tokens", "0"], "argument --max-tokens: 0 must be at least 1"),
+    (["ab", "--other-dir", "/tmp/x", "--ragged-seeds", "-1"],
+     "argument --ragged-seeds: -1 must be in [0, 2**63)"),
+])
+def test_counts_are_checked_by_argparse(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never past the arguments
+    err = _refused(["bench", *argv], capsys)
+    assert err.startswith(f"dualkv bench {argv[0]}: error: ") and message in err, err
+
+
+def test_ab_without_a_prepared_other_dir_is_one_line(tmp_path, monkeypatch, capsys):
+    # the other package was imported from --other-dir unchecked: a ModuleNotFoundError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check needs no GPU
+    err = _refused(["bench", "ab", "--other-dir", str(tmp_path)], capsys)
+    assert (f"--other-dir {tmp_path}: holds no dualkv_other package; write one with --prepare "
+            f"COMMIT") in err, err
