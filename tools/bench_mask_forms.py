@@ -122,6 +122,19 @@ def main(argv=None, prog=None):
         ap.error("this benchmark needs a CUDA GPU")
 
     hq, hkv, d, dev, dt = 32, 8, 128, "cuda", torch.bfloat16
+    # FLASH (the default backend) and --varlen's kernel are flash-attn-4's: without it, or on
+    # a GPU it does not run on, kernel_options_for raised a ValueError (or the varlen import
+    # an ImportError) mid-run
+    needs_fa4 = [flag for flag, used in (("--backend flash", args.backend == "flash"),
+                                         ("--varlen", args.varlen and args.ragged)) if used]
+    if needs_fa4:
+        from dualkv_compile.attention.selection import flash_status
+
+        ok, reason = flash_status(torch.device(dev), d, dt)
+        if not ok:
+            verb = "needs" if len(needs_fa4) == 1 else "need"
+            ap.error(f"{' and '.join(needs_fa4)} {verb} flash-attn-4 on this GPU: {reason}"
+                     + ("; --backend triton runs without it" if args.backend == "flash" else ""))
     meta = {**environment(), "backend": args.backend, "hq": hq, "hkv": hkv, "d": d,
             "dtype": "bfloat16", "rounds": args.rounds, "rep_ms": args.rep_ms}
     options = kernel_options_for(torch.device(dev), None, head_dim=d, gqa=hq // hkv, dtype=dt,

@@ -79,3 +79,22 @@ def test_ab_without_a_prepared_other_dir_is_one_line(tmp_path, monkeypatch, caps
     err = _refused(["bench", "ab", "--other-dir", str(tmp_path)], capsys)
     assert (f"--other-dir {tmp_path}: holds no dualkv_other package; write one with --prepare "
             f"COMMIT") in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ragged", "2048,512,0"], "--backend flash needs flash-attn-4 on this GPU: flash-attn-4 is "
+     "not installed (pip install 'dualkv-compile[flash]'); --backend triton runs without it"),
+    (["--backend", "triton", "--ragged", "2048,512,0", "--varlen"],
+     "--varlen needs flash-attn-4 on this GPU: flash-attn-4 is not installed"),
+    (["--ragged", "2048,512,0", "--varlen"], "--backend flash and --varlen need flash-attn-4"),
+])
+def test_mask_forms_without_flash_attn_4_is_one_line(argv, message, monkeypatch, capsys):
+    # the default --backend flash without flash-attn-4 was a ValueError traceback from
+    # kernel_options_for (after the environment was recorded); --varlen an ImportError later
+    from dualkv_compile.attention import selection
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before any GPU call
+    monkeypatch.setattr(selection, "flash_status", lambda *a, **k: (
+        False, "flash-attn-4 is not installed (pip install 'dualkv-compile[flash]')"))
+    err = _refused(["bench", "mask-forms", *argv], capsys)
+    assert err.startswith("dualkv bench mask-forms: error: ") and message in err, err
