@@ -16,7 +16,8 @@ from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
            "environment", "interleaved_medians", "parse_ragged_case", "parse_shape",
-           "positive_float", "positive_int", "seed_int", "write_results"]
+           "positive_float", "positive_int", "ResultsWriteError", "seed_int",
+           "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -174,13 +175,43 @@ def interleaved_medians(variants: dict, *, rounds: int, warmup_ms: int, rep_ms: 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+class ResultsWriteError(OSError):
+    """OUT.json and OUT.md could not both be written; the message names the file and what was
+    left on disk. bench.run reports it as the benchmark's one-line error."""
+
+
 def write_results(out: str | None, meta: dict, rows: list, table: str) -> None:
     """Print the table; write OUT.json ({"meta", "rows"}) and OUT.md (the table) when --out
-    was given."""
+    was given. Both are written to temporary files beside their final names first and renamed
+    into place only when both were written, so a failed write (a full disk) leaves the earlier
+    pair as it was, not a new JSON beside an old table; ResultsWriteError otherwise."""
     print(table)
     if not out:
         return
-    with open(out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write(table)
+    texts = {out + ".json": json.dumps({"meta": meta, "rows": rows}, indent=1),
+             out + ".md": table}
+    temporary = {path: f"{path}.tmp{os.getpid()}" for path in texts}
+    try:
+        for path, text in texts.items():
+            try:
+                with open(temporary[path], "w") as f:
+                    f.write(text)
+            except OSError as e:
+                raise ResultsWriteError(f"cannot write {path} ({e.strerror or e}); neither "
+                                        f"{out}.json nor {out}.md was replaced") from e
+        replaced = []
+        for path in texts:
+            try:
+                os.replace(temporary[path], path)
+            except OSError as e:
+                done = f"{replaced[0]} was replaced, {path} was not" if replaced else \
+                    f"neither {out}.json nor {out}.md was replaced"
+                raise ResultsWriteError(f"cannot write {path} ({e.strerror or e}); {done}") \
+                    from e
+            replaced.append(path)
+    finally:
+        for tmp in temporary.values():  # what was not renamed into place
+            try:
+                os.remove(tmp)
+            except OSError:  # renamed into place; or the error above says what went wrong
+                pass

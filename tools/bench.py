@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from ._common import ResultsWriteError
+
 __all__ = ["SUITE", "run"]
 
 # name -> (module, arguments it always gets)
@@ -47,7 +49,12 @@ def run(name: str, argv: list[str], prog: str | None = None) -> None:
               f"{sorted(SUITE)}", file=sys.stderr)
         raise SystemExit(2)
     module, fixed = SUITE[name]
-    importlib.import_module(module).main(fixed + list(argv), prog=prog or f"dualkv bench {name}")
+    prog = prog or f"dualkv bench {name}"
+    try:
+        importlib.import_module(module).main(fixed + list(argv), prog=prog)
+    except ResultsWriteError as e:  # --out could not be written: one line, exit 1 as the CLI's
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def main(argv=None) -> None:

@@ -98,3 +98,59 @@ def test_mask_forms_without_flash_attn_4_is_one_line(argv, message, monkeypatch,
         False, "flash-attn-4 is not installed (pip install 'dualkv-compile[flash]')"))
     err = _refused(["bench", "mask-forms", *argv], capsys)
     assert err.startswith("dualkv bench mask-forms: error: ") and message in err, err
+
+
+def _ragged_tiles(out) -> list[str]:
+    # the benchmark that runs without a GPU, and writes --out
+    return ["bench", "ragged", "--tiles-only", "--caps", "256,64", "--seeds", "0", "--out", out]
+
+
+def test_bench_out_writes_json_and_markdown_together(tmp_path, monkeypatch, capsys):
+    """A failed write leaves the earlier OUT.json and OUT.md as they were (the JSON was replaced
+    before the markdown failed, and the error did not say so), and no temporary file; the error
+    names the benchmark and the file, exit 1 (an output that cannot be written)."""
+    import errno
+
+    from dualkv_compile.tools import _common
+
+    out = tmp_path / "r"
+    for suffix in (".json", ".md"):
+        (tmp_path / f"r{suffix}").write_text("earlier")
+
+    def full_disk(path, *args, **kwargs):  # the markdown's write fails
+        if ".md" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(_common, "open", full_disk, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(_ragged_tiles(str(out)))
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"dualkv bench ragged: error: cannot write {out}.md (No space left on "
+                           f"device); neither {out}.json nor {out}.md was replaced"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
+    assert all((tmp_path / n).read_text() == "earlier" for n in ("r.json", "r.md"))
+
+    monkeypatch.undo()
+    real_replace = _common.os.replace
+
+    def replace(src, dst):  # the markdown's rename fails after the JSON's
+        if dst.endswith(".md"):
+            raise OSError(errno.EACCES, "Permission denied")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(_common.os, "replace", replace)
+    with pytest.raises(SystemExit) as exit_info:
+        main(_ragged_tiles(str(out)))
+    assert exit_info.value.code == 1
+    assert (f"cannot write {out}.md (Permission denied); {out}.json was replaced, {out}.md was "
+            f"not") in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
+
+    monkeypatch.undo()
+    assert main(_ragged_tiles(str(out))) == 0
+    table = (tmp_path / "r.md").read_text()
+    assert table.startswith("128 x 128 tiles") and table in capsys.readouterr().out
+    assert '"tiles_only": true' in (tmp_path / "r.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
