@@ -4,6 +4,7 @@ the check of an --out path."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -22,11 +23,34 @@ __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_ou
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit status 2 (`--help` still
-    prints the whole usage)."""
+    prints the whole usage), and an unknown flag is named with the closest known one, as the
+    `dualkv` subcommands name theirs (a benchmark said only "unrecognized arguments")."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            flag = next((a.split("=", 1)[0] for a in extra
+                         if a.startswith("-") and not _is_number(a)), None)
+            if flag is None or self._subparsers is not None:  # a subcommand's flags are its own
+                self.error(f"unrecognized arguments: {' '.join(extra)}")
+            known = [o for action in self._actions for o in action.option_strings]
+            close = difflib.get_close_matches(flag, known, n=1)
+            self.error(f"unrecognized argument {flag}"
+                       + (f"; did you mean {close[0]}?" if close else ""))
+        return parsed
+
+
+def _is_number(text: str) -> bool:
+    """A negative number is a value, not a flag."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def seed_int(text: str) -> int:
