@@ -223,7 +223,8 @@ def main(argv=None, prog=None):
                              f"{args.profile}_{name}_{n}_{p}_{r}_{groups}.txt")
                 engine = RolloutEngine(model, share_prompt=shared, attention=attention)
                 gen = torch.Generator("cuda").manual_seed(0)
-                result = _per_step(lambda t: engine.generate(
+                # engine bound as a default: the `del engine` below read as an undefined name
+                result = _per_step(lambda t, engine=engine: engine.generate(
                     prompts, group_size=n, max_generated_tokens=t, pad_id=0, rng=gen), r)
                 floor = _floor_bytes(model, args.layers, groups * n, groups, p, r, shared)
                 result |= {"kv_gib": engine.kv_bytes() / 2 ** 30,
