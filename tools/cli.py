@@ -2,7 +2,7 @@
 
     dualkv inspect --model qwen2_5 --out graphs/
     dualkv mask --groups 2 --group-size 4 --prompt-len 600 --response-len 300 --out mask.png
-    dualkv plan --model qwen3-8b -N 32 -P 8192 -R 1024 --gpu-memory 80
+    dualkv plan --model qwen3-8b -N 32 -P 8192 -R 1024 --gpu-memory 140
     dualkv bench attention --shapes 32,8192,1024        (CUDA)
 
 User errors (unknown model, impossible numbers, missing files) exit 2 with one line.
