@@ -17,7 +17,7 @@ from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
            "environment", "interleaved_medians", "parse_ragged_case", "parse_shape",
-           "positive_float", "positive_int", "ResultsWriteError", "seed_int",
+           "positive_float", "positive_int", "ragged_only", "ResultsWriteError", "seed_int",
            "write_results"]
 
 
@@ -163,6 +163,14 @@ def add_shapes_argument(ap: argparse.ArgumentParser, defaults: list[str]) -> Non
                     default=[parse_shape(s) for s in defaults],
                     help=f"groups of N responses of R tokens on a P-token prompt "
                          f"(default: {' '.join(defaults)})")
+
+
+def ragged_only(ap: argparse.ArgumentParser, args) -> None:
+    """--ragged without --shapes: its layouts alone. "Without" is the parser's default object
+    itself, so `--shapes=...` and an abbreviated --shape count as given (a search of argv for
+    the literal "--shapes" dropped them)."""
+    if args.ragged and args.shapes is ap.get_default("shapes"):
+        args.shapes = []
 
 
 def environment() -> dict:

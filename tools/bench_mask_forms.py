@@ -25,7 +25,6 @@ exact forms are compared (they must be equal bit for bit).
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
 
@@ -37,7 +36,7 @@ from dualkv_compile.attention.op import _flex
 from dualkv_compile.recompiles import bounded_recompiles
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, interleaved_medians, parse_ragged_case,
-                                          positive_int, write_results)
+                                          positive_int, ragged_only, write_results)
 
 DEFAULT_SHAPES = ["32,4096,1024", "64,2048,512", "32,8192,1024"]
 EXACT = ("visible_until", "segments", "intervals")
@@ -116,8 +115,7 @@ def main(argv=None, prog=None):
     ap.add_argument("--rep-ms", type=positive_int, default=3000)
     add_out_argument(ap)
     args = ap.parse_args(argv)
-    if args.ragged and "--shapes" not in (sys.argv[1:] if argv is None else argv):
-        args.shapes = []
+    ragged_only(ap, args)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
 

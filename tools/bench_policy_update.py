@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from typing import NamedTuple
 
@@ -30,7 +29,7 @@ import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, parse_ragged_case, positive_float,
-                                          positive_int, write_results)
+                                          positive_int, ragged_only, write_results)
 from dualkv_compile.tools.step_inputs import build_model, layouts, useful_flops
 from dualkv_compile.tools.step_profile import print_profile
 
@@ -265,8 +264,7 @@ def main(argv=None, prog=None):
                     help="after the timings, profile one step of each variant at the first "
                          "shape and print the kernels that take the most GPU time")
     args = ap.parse_args(argv)
-    if args.ragged and "--shapes" not in (sys.argv[1:] if argv is None else argv):
-        args.shapes = []  # --ragged alone: its layouts only
+    ragged_only(ap, args)
     if not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU")
     inductor = _inductor_settings(ap, args.inductor)

@@ -124,7 +124,9 @@ def _unknown_flags(parser, argv: list[str]) -> None:
                 continue  # a flag (whole: the parsers take no abbreviations)
         elif not name.startswith("-") or _is_number(name) or any(arg.startswith(f) for f in short):
             continue  # a value (a negative number too), or a short flag (-N2 carries its value)
-        close = difflib.get_close_matches(name, flags, n=1)
+        # (difflib finds no short flag close: -n for -N is the other case)
+        close = difflib.get_close_matches(name, flags, n=1) or [
+            f for f in short if f.lower() == name.lower()]
         sub.error(f"unrecognized argument {name}" + (f"; did you mean {close[0]}?" if close
                                                      else ""))
 

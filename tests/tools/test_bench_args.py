@@ -154,3 +154,25 @@ def test_bench_out_writes_json_and_markdown_together(tmp_path, monkeypatch, caps
     assert table.startswith("128 x 128 tiles") and table in capsys.readouterr().out
     assert '"tiles_only": true' in (tmp_path / "r.json").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
+
+
+@pytest.mark.parametrize("given", [["--shapes=2,64,32"], ["--shape", "2,64,32"],
+                                   ["--shapes", "2,64,32"]])
+def test_ragged_keeps_shapes_given_in_any_spelling(given):
+    # step and mask-forms searched argv for the literal "--shapes": --shapes=... and the
+    # abbreviation --shape were dropped for --ragged's layouts alone
+    from dualkv_compile.tools._common import (OneLineParser, add_shapes_argument,
+                                              parse_ragged_case, ragged_only)
+
+    ap = OneLineParser(prog="t")
+    add_shapes_argument(ap, ["16,4096,1024"])
+    ap.add_argument("--ragged", type=parse_ragged_case, nargs="+", default=[])
+    args = ap.parse_args([*given, "--ragged", "1024,256,0"])
+    ragged_only(ap, args)
+    assert args.shapes == [(2, 64, 32)]
+    args = ap.parse_args(["--ragged", "1024,256,0"])
+    ragged_only(ap, args)
+    assert args.shapes == []
+    args = ap.parse_args([])
+    ragged_only(ap, args)
+    assert args.shapes == [(16, 4096, 1024)]

@@ -51,7 +51,8 @@ def test_the_benchmarks_the_docs_name_take_shapes(capsys):
      "dualkv bench attention: error: unrecognized argument --shpes; did you mean --shapes?"),
     (["bench", "step", "--layers", "2", "--zzz", "3"],  # no flag close to it
      "dualkv bench step: error: unrecognized argument --zzz"),
-    (["mask", "-n", "4", "--out", "m.png"], "dualkv mask: error: unrecognized argument -n"),
+    (["mask", "-n", "4", "--out", "m.png"],
+     "dualkv mask: error: unrecognized argument -n; did you mean -N?"),
 ])
 def test_a_misspelt_flag_is_named_as_the_docs_say(argv, message, capsys):
     # a benchmark's parser said "unrecognized arguments: --shpes 1,128,128", no closest flag
@@ -62,4 +63,4 @@ def test_a_misspelt_flag_is_named_as_the_docs_say(argv, message, capsys):
     assert code == 2
     assert capsys.readouterr().err.strip() == message
     doc = re.sub(r"\s+", " ", DOC)
-    assert "`--shpes` with `--shapes`" in doc and "`-n` for `-N`, is named alone" in doc
+    assert "`--shpes` with `--shapes`" in doc and "`-n`, with the flag of the other case, `-N`" in doc
