@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from ._common import OneLineParser, positive_int, seed_int
+from ._common import OneLineParser, _is_number, positive_int, seed_int
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
@@ -95,14 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     rest.required = False  # argparse marks REMAINDER required; none is fine (`bench NAME`)
     ap.commands = {"inspect": ins, "mask": msk, "plan": pln}  # (bench passes its flags on)
     return ap
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _unknown_flags(parser, argv: list[str]) -> None:

@@ -263,9 +263,9 @@ def test_a_log_dir_that_is_a_file_is_a_config_error_before_the_model_is_built(tm
         assert not hasattr(recipe, "model")
 
 
-def test_a_torchtune_checkpointer_without_checkpoint_dir_works(tmp_path):
-    # torchtune's checkpointers keep the folder in _checkpoint_dir: the recipe read
-    # .checkpoint_dir and failed with an AttributeError at setup
+def _run_with_torchtune_style_checkpointer(tmp_path, weights_dir):
+    """One step of a run whose weights a torchtune-style checkpointer loads from a saved
+    state dict and writes to `weights_dir`; returns the recipe."""
     first = recipe_for(tmp_path, "first", num_steps=1)
     first.setup()
     (tmp_path / "source").mkdir()
@@ -273,25 +273,22 @@ def test_a_torchtune_checkpointer_without_checkpoint_dir_works(tmp_path):
     first.cleanup()
     recipe = recipe_for(tmp_path, "run", num_steps=1, checkpointer={
         "_component_": "recipe_helpers.TorchtuneStyleCheckpointer",
-        "checkpoint_dir": str(tmp_path / "source"), "output_dir": str(tmp_path / "weights")})
+        "checkpoint_dir": str(tmp_path / "source"), "output_dir": str(weights_dir)})
     recipe.setup()
     recipe.train()
     recipe.cleanup()
+    return recipe
+
+
+def test_a_torchtune_checkpointer_without_checkpoint_dir_works(tmp_path):
+    # torchtune's checkpointers keep the folder in _checkpoint_dir: the recipe read
+    # .checkpoint_dir and failed with an AttributeError at setup
+    recipe = _run_with_torchtune_style_checkpointer(tmp_path, tmp_path / "weights")
     assert recipe.checkpointer.saved == [1] and recipe.model_config is None
 
 
 def test_a_checkpointer_writing_into_output_dir_itself_is_not_refused_as_another_run(tmp_path):
     # torchtune's configs write checkpointer.output_dir: ${output_dir}; the recipe locked the
     # folder twice and refused itself as "in use by another run (pid <its own>)"
-    first = recipe_for(tmp_path, "first", num_steps=1)
-    first.setup()
-    (tmp_path / "source").mkdir()
-    torch.save(first.model.state_dict(), tmp_path / "source" / "model.pt")
-    first.cleanup()
-    recipe = recipe_for(tmp_path, "run", num_steps=1, checkpointer={
-        "_component_": "recipe_helpers.TorchtuneStyleCheckpointer",
-        "checkpoint_dir": str(tmp_path / "source"), "output_dir": str(tmp_path / "run")})
-    recipe.setup()
-    recipe.train()
-    recipe.cleanup()
+    recipe = _run_with_torchtune_style_checkpointer(tmp_path, tmp_path / "run")
     assert recipe.checkpointer.saved == [1]

@@ -30,6 +30,10 @@ def _refused(argv, capsys) -> str:
      "argument --shapes: shape '16,4096' must be N,P,R (three integers)"),
 ])
 def test_layout_arguments_are_parsed_before_the_work(argv, message, monkeypatch, capsys):
+    _assert_bench_refuses(argv, message, monkeypatch, capsys)
+
+
+def _assert_bench_refuses(argv, message, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never past the arguments
     err = _refused(["bench", *argv], capsys)
     assert err.startswith(f"dualkv bench {argv[0]}: error: ") and message in err, err
@@ -68,9 +72,7 @@ def test_layout_arguments_are_parsed_before_the_work(argv, message, monkeypatch,
      "argument --ragged-seeds: -1 must be in [0, 2**63)"),
 ])
 def test_counts_are_checked_by_argparse(argv, message, monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never past the arguments
-    err = _refused(["bench", *argv], capsys)
-    assert err.startswith(f"dualkv bench {argv[0]}: error: ") and message in err, err
+    _assert_bench_refuses(argv, message, monkeypatch, capsys)
 
 
 def test_ab_without_a_prepared_other_dir_is_one_line(tmp_path, monkeypatch, capsys):
