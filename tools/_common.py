@@ -16,7 +16,7 @@ from pathlib import Path
 from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
-           "environment", "interleaved_medians", "parse_ragged_case", "parse_shape",
+           "environment", "interleaved_medians", "parse_caps", "parse_ragged_case", "parse_shape",
            "positive_float", "positive_int", "ragged_only", "ResultsWriteError", "seed_int",
            "write_results"]
 
@@ -97,21 +97,34 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return n, p, r
 
 
+def parse_caps(text: str) -> tuple[int, int]:
+    """An argparse type: "P_cap,R_cap", bench ragged's prompt and response length caps (two
+    positive integers)."""
+    p_cap, r_cap = _caps_and(text, "caps", "P_cap,R_cap", "two")
+    return p_cap, r_cap
+
+
 def parse_ragged_case(text: str) -> tuple[int, int, int]:
-    """An argparse type: "P_cap,R_cap,seed", one of bench ragged's seeded cases (two positive
-    caps and a seed_int seed). Unparsed, a malformed case was a ValueError traceback after the
-    model was built."""
-    try:
-        p_cap, r_cap, seed = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"ragged case {text!r} must be P_cap,R_cap,seed "
-                                         f"(three integers)") from None
-    if min(p_cap, r_cap) < 1:
-        raise argparse.ArgumentTypeError(f"ragged case {text!r}: P_cap and R_cap must be "
-                                         f"positive")
+    """An argparse type: "P_cap,R_cap,seed", one of bench ragged's seeded cases (the caps as
+    parse_caps reads them and a seed_int seed). Unparsed, a malformed case was a ValueError
+    traceback after the model was built."""
+    p_cap, r_cap, seed = _caps_and(text, "ragged case", "P_cap,R_cap,seed", "three")
     if not 0 <= seed < 2**63:
         raise argparse.ArgumentTypeError(f"ragged case {text!r}: the seed must be in [0, 2**63)")
     return p_cap, r_cap, seed
+
+
+def _caps_and(text: str, what: str, form: str, count: str) -> tuple[int, ...]:
+    """`text` as the integers `form` names, the first two (the caps) positive."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != len(form.split(",")):
+        raise argparse.ArgumentTypeError(f"{what} {text!r} must be {form} ({count} integers)")
+    if min(values[:2]) < 1:
+        raise argparse.ArgumentTypeError(f"{what} {text!r}: P_cap and R_cap must be positive")
+    return values
 
 
 def check_out_path(out: str, *, folder: bool) -> Path:

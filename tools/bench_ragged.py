@@ -30,7 +30,6 @@ tools/ragged_tiles.py).
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 
@@ -41,8 +40,8 @@ from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.testing import make_batch
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, positive_int, seed_int,
-                                          write_results)
+                                          interleaved_medians, parse_caps, positive_int,
+                                          seed_int, write_results)
 from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
@@ -213,23 +212,12 @@ def _tiles_table(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _parse_caps(text: str) -> tuple[int, int]:
-    """--caps "P_cap,R_cap": two positive integers (argparse reports the error)."""
-    try:
-        p_cap, r_cap = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"caps {text!r} must be P_cap,R_cap (two integers)")
-    if min(p_cap, r_cap) < 1:
-        raise argparse.ArgumentTypeError(f"caps {text!r}: P_cap and R_cap must be positive")
-    return p_cap, r_cap
-
-
 def main(argv=None, prog=None):
     """`prog` names the benchmark in its usage and errors (default: the script's name)."""
     ap = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2],
                     help="the layouts' seeds, one case per seed and cap pair (default 0 1 2)")
-    ap.add_argument("--caps", type=_parse_caps, nargs="+", default=list(CAPS),
+    ap.add_argument("--caps", type=parse_caps, nargs="+", default=list(CAPS),
                     metavar="P_cap,R_cap", help="prompt and response length caps (default: "
                     + " ".join(f"{p},{r}" for p, r in CAPS) + ")")
     ap.add_argument("--kernels", nargs="+", default=["auto"], choices=list(KERNELS),

@@ -28,6 +28,9 @@ def _refused(argv, capsys) -> str:
      "argument --ragged: ragged case '2048,512,x' must be P_cap,R_cap,seed"),
     (["ab", "--other-dir", "/tmp/x", "--shapes", "16,4096"],
      "argument --shapes: shape '16,4096' must be N,P,R (three integers)"),
+    (["ragged", "--caps", "2048,512,0"],
+     "argument --caps: caps '2048,512,0' must be P_cap,R_cap (two integers)"),
+    (["ragged", "--caps", "0,512"], "caps '0,512': P_cap and R_cap must be positive"),
 ])
 def test_layout_arguments_are_parsed_before_the_work(argv, message, monkeypatch, capsys):
     _assert_bench_refuses(argv, message, monkeypatch, capsys)
