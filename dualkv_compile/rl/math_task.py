@@ -42,6 +42,8 @@ _PLAIN = re.compile(r"[-\u2212]?[\d.,]+")
 _DECORATION = re.compile(r"\\(?:left|right|[,;: ])|\\?[$%]|\^\{?\\circ\}?|"
                          r"\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*\}")
 _MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
+# the whole part of a mixed number in running text: an integer, one space before a fraction
+_WHOLE_BEFORE = re.compile(r"(?<![\w.,/])[-\u2212]?\d+[ \t]+$")
 _SPACED_THOUSANDS = re.compile(r"[-\u2212]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
 
 
@@ -104,14 +106,19 @@ def final_number(text: str) -> str | None:
     holds one number: a box of \\sqrt{2} is not the answer 2), else after GSM8K's "####" if
     present, the last number; as its value written one way: an integer ("1,200.0" -> "1200",
     "10.00" -> "10", "3.14e2" -> "314") or a reduced fraction ("0.75", "3/4" and
-    "\\frac{3}{4}" -> "3/4", "-.5" -> "-1/2"), so that equal values compare equal as strings."""
+    "\\frac{3}{4}" -> "3/4", "-.5" -> "-1/2", the mixed number "1 1/2" -> "3/2"), so that
+    equal values compare equal as strings."""
     text = text.split("####")[-1]
     boxed = _last_boxed(text)
     if boxed is not None:
         return _boxed_number(boxed)
-    for token in reversed(_NUMBER.findall(_LATEX_FRACTION.sub(_fraction, text))):
-        value = _value(token)  # "3/0" is no number: take the one before it
+    text = _LATEX_FRACTION.sub(_fraction, text)
+    for m in reversed(list(_NUMBER.finditer(text))):
+        value = _value(m.group(0))  # "3/0" is no number: take the one before it
         if value is not None:
+            whole = _WHOLE_BEFORE.search(text, 0, m.start())
+            if whole and re.fullmatch(r"\d+/\d+", m.group(0)):  # a mixed number, "1 1/2"
+                value = _boxed_number(text[whole.start():m.end()])
             return value
     return None
 

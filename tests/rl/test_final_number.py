@@ -22,6 +22,10 @@ from dualkv_compile.rl import final_number
     ("\\boxed{-1\\frac{1}{2}}", "-3/2"), ("\\boxed{10,\\!000}", "10000"),
     ("\\boxed{x = 5\\text{ cm}}", "5"), ("\\boxed{\\sqrt{2}}", None),
     ("\\boxed{2\\pi}", None), ("\\boxed{10^{3}}", None), ("\\boxed{(1,2)}", None),
+    # a mixed number in running text is one value (each once read 1/2, 3/4, 1/2); a fraction
+    # after a decimal, a list or a line break is not its fraction part
+    ("The answer is 1 1/2.", "3/2"), ("so -2 3/4", "-11/4"), ("it is 1 \\frac{1}{2}", "3/2"),
+    ("2.5 1/2", "1/2"), ("3 + 1/2", "1/2"), ("page 3\n1/2", "1/2"),
 ])
 def test_final_number_reads_values(text, value):
     # each of the first five once read another number: 5, 5, 7, 15, 4
