@@ -46,7 +46,7 @@ class TensorBoardLogger:
         """Continue this output_dir's newest run after `step`; False when there is none to
         continue, or its newest event file is stamped more than max_clock_wait_s ahead of the
         clock (`not_resumed` says so); a new run folder is then made on the first log."""
-        runs = [d for d in sorted(self.log_dir.glob("run_*")) if self._owns(d)]
+        runs = [d for _, d in self._own_runs()]
         if not runs:
             return False
         # TensorBoard reads a folder's event files in name order, whose first field is the
@@ -69,11 +69,22 @@ class TensorBoardLogger:
         self.run_dir, self._purge_step = runs[-1], step + 1
         return True
 
-    def _owns(self, run_dir: Path) -> bool:
-        try:
-            return json.loads((run_dir / _OWNER).read_text()).get("output_dir") == self._owner
-        except (OSError, ValueError):
-            return False
+    def _own_runs(self) -> list[tuple[int, Path]]:
+        """This output_dir's run folders with their `seq`, oldest first: in the order they
+        were made (the seq their owner file records), not by name, whose UTC time another
+        host's clock may have set ahead (such a folder would stay the newest by name, and every
+        later resume would pick it over the runs made after it). Folders from before seq was
+        recorded come first, in name order."""
+        runs = []
+        for d in sorted(self.log_dir.glob("run_*")):
+            try:
+                owner = json.loads((d / _OWNER).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(owner, dict) and owner.get("output_dir") == self._owner:
+                seq = owner.get("seq")
+                runs.append((seq if isinstance(seq, int) else -1, d))
+        return sorted(runs, key=lambda r: r[0])  # stable: name order within one seq
 
     def _open(self):
         from torch.utils.tensorboard import SummaryWriter
@@ -81,7 +92,9 @@ class TensorBoardLogger:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{time.time_ns() % 10**9:09d}"
             self.run_dir = self.log_dir / f"run_{stamp}"
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / _OWNER).write_text(json.dumps({"output_dir": self._owner}) + "\n")
+            seq = max((q for q, _ in self._own_runs()), default=-1) + 1
+            owner = {"output_dir": self._owner, "seq": seq}
+            (self.run_dir / _OWNER).write_text(json.dumps(owner) + "\n")
         self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=self._purge_step)
         return self._writer
 

@@ -83,3 +83,22 @@ def test_a_stamp_a_few_seconds_ahead_is_waited_for_and_said(tmp_path, capsys):
     resumed = TensorBoardLogger(str(log_dir), output_dir=str(out))
     assert resumed.resume(1) and resumed.run_dir == first.run_dir
     assert "metric_logger: waiting" in capsys.readouterr().out
+
+
+def test_a_run_folder_named_ahead_of_the_clock_does_not_stay_the_newest(tmp_path):
+    # run folders sorted by name (their UTC time): one made on a host whose clock ran ahead
+    # stayed the newest, so every later resume picked it over the run made after it and
+    # started yet another run
+    log_dir, out = tmp_path / "logs", tmp_path / "a"
+    ahead = TensorBoardLogger(str(log_dir), output_dir=str(out))
+    ahead.log("x", 1.0, step=1)
+    ahead.close()
+    future = log_dir / "run_29990101-000000-000000000"
+    ahead.run_dir.rename(future)
+    (future / f"events.out.tfevents.{int(time.time()) + 3600}.otherhost.1.0").write_bytes(b"")
+    second = TensorBoardLogger(str(log_dir), output_dir=str(out))
+    assert not second.resume(1)  # stamped an hour ahead: a new run
+    second.log("x", 2.0, step=2)
+    second.close()
+    third = TensorBoardLogger(str(log_dir), output_dir=str(out))
+    assert third.resume(2) and third.run_dir == second.run_dir
