@@ -25,7 +25,7 @@ def check_device(model: nn.Module, config: DualKVConfig) -> None:
                          "CUDA) or move the model to a GPU")
     if attention_kernel(config.attention_backend).cuda_only:
         raise ValueError(f"attention_backend={config.attention_backend!r} is a CUDA kernel and "
-                         f"the model is on {device}; use 'auto' (the SDPA-per-segment path there)")
+                         f"the model is on {device}; use 'auto' (flex's reference math there)")
 
 
 def check_shareable(wrapper, other) -> None:

@@ -253,6 +253,19 @@ def test_disabled_runs_the_plain_model():
     assert dk.counters["graphs_compiled"] == 0
 
 
+@pytest.mark.parametrize("attention_backend", ["auto", "regions", "flash_regions"])
+def test_logprobs_under_inference_mode(attention_backend):
+    # old and reference logprobs are often computed under inference_mode: pack() there makes
+    # inference tensors, which have no version counter, and the region kernels' plan cache read
+    # it (a bare RuntimeError)
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    tokens, mask, p = mixed_batch()
+    wrapper = dk.optimize(model, dk.DualKVConfig(attention_backend=attention_backend))
+    with torch.inference_mode():
+        lp = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert rel_err(lp, row_by_row_response_logprobs(model, tokens, mask, p).detach()) < TOL
+
+
 def test_wrapper_shares_parameters_and_state_dict_keys():
     model = tiny_model("qwen2_5")
     before = {k: v.clone() for k, v in model.state_dict().items()}

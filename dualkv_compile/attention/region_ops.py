@@ -30,7 +30,7 @@ def plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor, build=None):
     live, unmodified table objects."""
     build = build or plan_of_segments
     key = (id(segment_ids), id(prefix_segment_ids), build)
-    versions = (segment_ids._version, prefix_segment_ids._version)
+    versions = (_version(segment_ids), _version(prefix_segment_ids))
     hit = _PLANS.get(key)
     if hit and hit[0]() is segment_ids and hit[1]() is prefix_segment_ids and hit[2] == versions:
         return hit[3]
@@ -39,6 +39,13 @@ def plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor, build=None):
     plan = build(segment_ids, prefix_segment_ids)
     _PLANS[key] = (weakref.ref(segment_ids), weakref.ref(prefix_segment_ids), versions, plan)
     return plan
+
+
+def _version(t: Tensor) -> int:
+    """t's in-place version; an inference tensor (made under torch.inference_mode, as pack()
+    inside an optimize() call there makes its tables) has no counter: 0, as the library never
+    writes to a table in place."""
+    return 0 if t.is_inference() else t._version
 
 
 @torch.library.custom_op("dualkv::regions_attention", mutates_args=())

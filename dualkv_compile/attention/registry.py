@@ -60,7 +60,8 @@ CUDNN_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's attention compute
 KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
     AttentionKernel("auto", flex=True, cuda_only=False, op_name=None, runs_on=None,
                     cuda_form="flex: FLASH or Triton, from the measurements for the GPU",
-                    cpu_form="SDPA per segment",
+                    cpu_form="in optimize(), flex's reference math under aot_eager, which holds "
+                             "[heads, T, T] scores; called directly, SDPA per segment",
                     kept_because="the default: flex FLASH where flash-attn-4 runs, else "
                                  "Triton, as measured on ragged GRPO layouts (selection.py)"),
     AttentionKernel("flash", flex=True, cuda_only=True, op_name=None, runs_on="flash-attn-4",

@@ -320,3 +320,11 @@ def test_flash_regions_plan_refuses_a_misplaced_response():
     pre[first_response:first_response + 3] = seg[-1]
     with pytest.raises(ValueError, match="which is not the prompt before it"):
         flash_plan_of_segments(seg, pre)
+
+
+def test_flash_regions_refuses_integer_inputs():
+    # on the CPU it computed in float32 and cast the result back: truncated integers
+    pb = pack(torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6]]), prompt_len=2)
+    q = torch.randint(-3, 4, (1, 2, pb.seq_len, 4))
+    with pytest.raises(ValueError, match="one floating dtype, got torch.int64"):
+        shared_prefix_attention(q, q, q, pb, attention_backend="flash_regions")
