@@ -210,6 +210,35 @@ def micro_batch_case():
     return result
 
 
+def refusal_case():
+    """optimizer_step's input checks agree across ranks: a refusal on one rank alone (a float
+    loss_mask on rank 1) stops both, where rank 0 used to wait in the first collective; an
+    unsharded model in a process group is refused (its gradients were never averaged)."""
+    from dualkv_compile.rl import GRPOLoss, optimizer_step
+
+    rank = dist.get_rank()
+    tokens, mask, p = make_batch([5], [[3, 4]], vocab=99)
+    lp = torch.zeros(2, tokens.shape[1] - p, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    result = {"case": "refusals"}
+    for name, shard, loss_mask in [("one_rank", True, mask[:, p:].double() if rank else None),
+                                   ("unsharded", False, None)]:
+        model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+        if shard:
+            fully_shard(model)
+        try:
+            optimizer_step(dk.optimize(model), GRPOLoss(), torch.optim.SGD(model.parameters()),
+                           tokens, mask, p, lp, lp, adv, group_size=2, temperature=1.0,
+                           max_grad_norm=1.0, loss_mask=loss_mask)
+            said = "accepted"
+        except ValueError as e:
+            said = str(e)
+        said_by = [None] * dist.get_world_size()
+        dist.all_gather_object(said_by, said)
+        result[name] = said_by
+    return result
+
+
 def _all_sum(*values):
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     dist.all_reduce(t)
@@ -234,6 +263,7 @@ def main():
         shared_reference_case(),
         rollout_case(),
         micro_batch_case(),
+        refusal_case(),
     ]
     if dist.get_rank() == 0:
         for case in cases:

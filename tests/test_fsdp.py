@@ -76,6 +76,15 @@ def test_token_budget_micro_batches_match_one_micro_batch_on_two_ranks(cases):
     assert case["sequence_err"] < TOL and case["token_err"] < TOL, case
 
 
+def test_a_refusal_on_one_rank_stops_every_rank(cases):
+    case = cases["refusals"]
+    assert "error" not in case, case.get("error")
+    rank0, rank1 = case["one_rank"]
+    assert rank0.startswith("optimizer_step: another rank refused its inputs"), rank0
+    assert rank1.startswith("loss_mask must be bool"), rank1
+    assert all("needs an FSDP2-sharded model" in said for said in case["unsharded"]), case
+
+
 _LAYOUTS = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard

@@ -17,8 +17,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..arguments import as_index, integer_arg
+from ..arguments import as_index, as_real, integer_arg
+from ..layout.packing import as_padding_mask
 from ..layout.plan import micro_batch_rows
+from ..fsdp import is_sharded
 from . import distributed as ddp
 
 __all__ = ["NonFiniteGradient", "StepStats", "optimizer_step"]
@@ -35,6 +37,7 @@ class StepStats(NamedTuple):
     kl: float  # this rank's share of the token-mean KL estimate over all ranks
     clip_fraction: float  # likewise, of the tokens whose ratio was clipped
     grad_norm: float  # before clipping
+    stepped: bool = True  # False: no rank had a response token to count, no step was taken
 
 
 def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Tensor,
@@ -51,13 +54,37 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     if not callable(getattr(policy, "response_loss", None)):
         raise TypeError(f"policy is a {type(policy).__name__}; optimizer_step needs the "
                         "wrapper dualkv_compile.optimize(model) returns (a DualKVModel)")
-    p = _check_rows(tokens, prompt_len, old=old, ref=ref, advantages=advantages)
-    resp_mask = mask[:, p:] if loss_mask is None else _checked_loss_mask(loss_mask, mask[:, p:])
     _, world_size = ddp.world()
-    # rows are group-major by construction (rl.rollout_batch), so tokens are not passed for
-    # the check, a host sync a step
-    batches = micro_batch_rows(mask, prompt_len=p, group_size=group_size,
-                               groups=micro_batch_groups, max_tokens=max_tokens)
+    try:
+        if world_size > 1 and not is_sharded(policy.model):
+            raise ValueError(f"optimizer_step in a process group of {world_size} needs an "
+                             f"FSDP2-sharded model (rl.shard_decoder): each rank would step on "
+                             f"its own gradient, never averaged, and the ranks would drift apart")
+        if tokens.shape[0] == 0:
+            raise ValueError("tokens has no rows: a rank with nothing to train on passes rows "
+                             "of a group (e.g. another rank's first) with counted=False, so "
+                             "that it runs the same forward and collectives at weight 0")
+        p = _check_rows(tokens, prompt_len, old=old, ref=ref, advantages=advantages)
+        x = as_real(max_grad_norm)
+        if x is None or not x > 0:  # inf: no clipping
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a number > 0 (math.inf "
+                             f"for no clipping): a negative one reverses the update, 0 zeroes it")
+        mask = as_padding_mask(mask)
+        resp_mask = mask[:, p:] if loss_mask is None else _checked_loss_mask(loss_mask,
+                                                                              mask[:, p:])
+        # rows are group-major by construction (rl.rollout_batch), so tokens are not passed
+        # for the check, a host sync a step
+        batches = micro_batch_rows(mask, prompt_len=p, group_size=group_size,
+                                   groups=micro_batch_groups, max_tokens=max_tokens)
+        refused = None
+    except (ValueError, TypeError) as e:
+        refused = e
+    # a refusal on one rank alone would leave the others waiting in the first collective
+    if world_size > 1 and ddp.all_max(float(refused is not None))[0] and refused is None:
+        raise ValueError("optimizer_step: another rank refused its inputs (its error says "
+                         "why); every rank stops, so that none waits in a collective")
+    if refused is not None:
+        raise refused
     # normalisers over all ranks (uncounted rows excluded); FSDP averages gradients over
     # ranks, so scale back by the world size to get the gradient of the global loss
     total_tokens, total_rows = ddp.all_sum(resp_mask.sum() * int(counted),
@@ -66,7 +93,7 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
         # move the weights (its momentum, weight decay)
         log.warning("optimizer_step: the loss counts no response token on any rank (e.g. every "
                     "response truncated under overlong filtering); the step was skipped")
-        return StepStats(0.0, 0.0, 0.0, 0.0)
+        return StepStats(0.0, 0.0, 0.0, 0.0, stepped=False)
     total_rows = max(total_rows, 1.0)
     n_micro = int(ddp.all_max(len(batches))[0])
     loss_sum, kl_sum, clip_sum = 0.0, 0.0, 0.0

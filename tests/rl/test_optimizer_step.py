@@ -83,7 +83,7 @@ def test_a_step_whose_loss_counts_no_token_moves_no_weight(caplog):
                            group_size=2, temperature=T, max_grad_norm=1.0,
                            loss_mask=torch.zeros_like(mask[:, p:]))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
-    assert tuple(stats) == (0.0, 0.0, 0.0, 0.0)
+    assert tuple(stats) == (0.0, 0.0, 0.0, 0.0, False)  # stepped=False: the recipe's count
     assert "counts no response token on any rank" in caplog.text
 
 
@@ -142,3 +142,26 @@ def test_per_row_inputs_are_checked_before_any_micro_batch_runs():
     with pytest.raises(ValueError, match="leaves no response columns"):
         optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, no_response, empty, empty,
                        adv, **kw)
+
+
+def test_max_grad_norm_and_empty_or_integer_masks():
+    # max_grad_norm=-1 reversed the update exactly (clip_grad_norm_'s coefficient went
+    # negative), 0 zeroed it while AdamW still stepped; a rank's empty rows were refused as
+    # "padding_mask has no rows (B=0)"; a 0/1 integer padding mask, which pack() takes, was
+    # refused mid-step as "mask must be a bool tensor"
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("sequence")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    kw = dict(group_size=2, temperature=T)
+    for bad in (-1.0, 0, float("nan"), "1"):
+        with pytest.raises(ValueError, match=rf"max_grad_norm={bad!r} must be a number > 0"):
+            optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, old, ref, adv,
+                           max_grad_norm=bad, **kw)
+    with pytest.raises(ValueError, match="tokens has no rows: a rank with nothing to train on "
+                                         "passes rows of a group"):
+        optimizer_step(dk.optimize(model), loss_fn, opt, tokens[:0], mask[:0], p, old[:0],
+                       ref[:0], adv[:0], max_grad_norm=1.0, counted=False, **kw)
+    assert all(q.grad is None for q in model.parameters())
+    twin = copy.deepcopy(model)
+    _, update = step(model, tokens, mask, p, old, ref, adv, loss_fn, None)
+    _, int_update = step(twin, tokens, mask.long(), p, old, ref, adv, loss_fn, None)
+    assert torch.equal(update, int_update)
