@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .attention.registry import attention_kernel
 from .attention.kernel_options import validate_kernel_options
-from .layout.packing import check_bucket_growth
+from .layout.buckets import check_bucket_growth
 
 __all__ = ["DualKVConfig"]
 
@@ -25,7 +25,7 @@ class DualKVConfig:
     pad_to: the packed length T is rounded up to a multiple of this (one compile per bucket);
         a multiple of 128, the FlexAttention block size.
     bucket_growth: 1 keeps every multiple of pad_to as a bucket; above 1, buckets grow
-        geometrically by this factor (packing.bucket_length), which bounds the compiles when
+        geometrically by this factor (buckets.bucket_length), which bounds the compiles when
         lengths vary widely (1.1: about 7 buckets per doubling of T, at most
         (growth - 1) x T + pad_to tokens of padding: 11% from T = 8K on).
     attention_backend: the CUDA attention kernel: "auto" (FLASH where flash-attn-4 imports on

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layout.packing import as_padding_mask
+from .layout.batch_checks import as_padding_mask
 
 __all__ = ["padding_from_torchtune_mask", "row_positions", "split_forward_args"]
 

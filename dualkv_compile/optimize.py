@@ -23,7 +23,8 @@ from .lm_head.gather_rows import gather_rows
 from .layout.inputs import layout_anchor, layout_tables
 from .lm_head.logprobs import chunked_logprobs, chunked_token_loss
 from .lm_head.targets import predictions, row_sources, scatter_responses
-from .layout.packing import PackedBatch, as_padding_mask, checked_prompt_len, checked_tokens, pack
+from .layout.batch_checks import as_padding_mask, checked_prompt_len, checked_tokens
+from .layout.packing import PackedBatch, pack
 from .numerics import accumulation_dtype
 from .recompiles import bounded_recompiles
 from .stats import counters

@@ -12,19 +12,23 @@ Positions restart at the row's valid prompt length for every response, so each t
 position it had in its own row. Every prompt, every response and the padding get their own
 segment id; a token may attend to an earlier token of its own segment or, for a response token,
 to any token of its group's prompt (``prefix_segment_ids``).
+
+This module holds pack() and PackedBatch; the batch's input checks are in batch_checks.py, the
+packed lengths (buckets) in buckets.py, both re-exported here.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..arguments import integer_arg
+from .batch_checks import as_padding_mask, checked_prompt_len, checked_runs, checked_tokens
+from .buckets import bucket_count, bucket_length, check_bucket_growth
 
-__all__ = ["PackedBatch", "bucket_length", "pack"]
+__all__ = ["PackedBatch", "bucket_count", "bucket_length", "pack"]  # bucket_*: from buckets.py
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,17 +153,6 @@ class PackedBatch:
         return self._cache[key]
 
 
-def _contiguous_runs(valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """First index and length of the True run in each row, and whether the row is one run."""
-    cols = torch.arange(valid.shape[1], device=valid.device)
-    length = valid.sum(1)
-    if valid.shape[1] == 0:
-        return torch.zeros_like(length), length, torch.ones_like(length, dtype=torch.bool)
-    first = torch.where(valid.any(1), valid.int().argmax(1), torch.zeros_like(length))
-    expected = (cols >= first[:, None]) & (cols < (first + length)[:, None])
-    return first, length, (valid == expected).all(1)
-
-
 def _row_classes(key: Tensor) -> Tensor:
     """Class id of each row of `key` [B, K] (equal rows share one). A polynomial hash per row,
     then an exact check of every row against its class's first row; torch.unique(dim=0), a
@@ -197,45 +190,6 @@ def _detect_groups(tokens: Tensor, first: Tensor, length: Tensor, prompt_len: in
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return rank[inverse]
-
-
-def checked_runs(padding_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's prompt as one run of at least one valid token (left or right padded) and its
-    response as one run from column prompt_len (right padded), else ValueError naming the row.
-    Returns the prompts' first columns and lengths and the responses' lengths."""
-    p_first, p_len, p_ok = _contiguous_runs(padding_mask[:, :prompt_len])
-    if not bool(p_ok.all()):
-        row = int((~p_ok).nonzero()[0])
-        raise ValueError(f"padding_mask has a hole inside the prompt of row {row}")
-    if not bool((p_len > 0).all()):
-        row = int((p_len == 0).nonzero()[0])
-        raise ValueError(f"row {row} has no valid prompt token (padding_mask is False there)")
-    r_first, r_len, r_ok = _contiguous_runs(padding_mask[:, prompt_len:])
-    r_ok &= (r_first == 0) | (r_len == 0)
-    if not bool(r_ok.all()):
-        row = int((~r_ok).nonzero()[0])
-        raise ValueError(
-            f"padding_mask has a hole inside the response of row {row}: responses must be "
-            f"right-padded, their real tokens contiguous from column prompt_len={prompt_len}"
-        )
-    return p_first, p_len, r_len
-
-
-def as_padding_mask(mask: Tensor) -> Tensor:
-    """A [B, L] padding mask as bool (True = real token): bool as is, integers of 0 and 1 (the
-    transformers convention) converted; other values or dtypes refused."""
-    if not isinstance(mask, Tensor):
-        raise ValueError(f"padding_mask must be a bool or 0/1 integer tensor, got "
-                         f"{type(mask).__name__}")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_floating_point() or mask.is_complex():
-        raise ValueError(f"padding_mask must be bool or integer 0/1 (1 = real token), got "
-                         f"{mask.dtype}")
-    if not ((mask == 0) | (mask == 1)).all():
-        bad = mask[(mask != 0) & (mask != 1)].unique()[:5].tolist()
-        raise ValueError(f"padding_mask must hold only 0 and 1 (1 = real token); it holds {bad}")
-    return mask.bool()
 
 
 def pack(
@@ -279,58 +233,6 @@ def pack(
                          f"{sizes.tolist()}")
     return _build(tokens, padding_mask, prompt_len, (pad_to, bucket_growth), group_of_row, p_first,
                   p_len, r_len)
-
-
-def checked_tokens(tokens) -> Tensor:
-    """`tokens` if it is an int64 or int32 tensor [B, L], else ValueError naming what it is
-    (uint8 or bool ids would pass the vocabulary check and fail deep inside the model)."""
-    ok = isinstance(tokens, Tensor) and tokens.dim() == 2
-    if not ok or tokens.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"tokens must be an integer tensor [B, L] of int64 or int32, got "
-                         f"{type(tokens).__name__} {tuple(getattr(tokens, 'shape', ()))} "
-                         f"{getattr(tokens, 'dtype', '')}")
-    return tokens
-
-
-def checked_prompt_len(prompt_len, length: int) -> int:
-    """`prompt_len` as an int in [1, length] (the batch's L), else ValueError naming it."""
-    prompt_len = integer_arg("prompt_len", prompt_len)
-    if not 1 <= prompt_len <= length:
-        raise ValueError(f"prompt_len={prompt_len} is outside [1, L={length}]")
-    return prompt_len
-
-
-def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> int:
-    """The packed length T for `num_tokens` valid tokens, one compile per distinct T. With
-    growth 1: the next multiple of `pad_to`. With growth > 1: the next length of the series
-    pad_to, b1, b2, ... where each is the smallest multiple of pad_to at least `growth` times
-    the one before; lengths between T_min and T_max then meet about
-    log(T_max / T_min) / log(growth) buckets, at the cost of up to (growth - 1) x T + pad_to
-    tokens of padding."""
-    check_bucket_growth(growth)
-    t = max(math.ceil(num_tokens / pad_to), 1) * pad_to
-    if growth == 1.0:
-        return t
-    b = pad_to
-    while b < t:
-        b = max(b + pad_to, math.ceil(b * growth / pad_to) * pad_to)
-    return b
-
-
-def bucket_count(max_tokens: int, pad_to: int = 128, growth: float = 1.0,
-                 min_tokens: int = 1) -> int:
-    """How many packed lengths (each a compile) `bucket_length` gives for min..max_tokens."""
-    top, t, n = bucket_length(max_tokens, pad_to, growth), bucket_length(min_tokens, pad_to,
-                                                                          growth), 1
-    while t < top:
-        t, n = bucket_length(t + 1, pad_to, growth), n + 1
-    return n
-
-
-def check_bucket_growth(growth) -> None:
-    """Raise ValueError unless `growth` is a number in [1, 4]."""
-    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 <= growth <= 4:
-        raise ValueError(f"bucket_growth={growth!r} must be a number in [1, 4]")
 
 
 def _build(tokens, mask, prompt_len, bucketing, group_of_row, p_first, p_len, r_len) -> PackedBatch:

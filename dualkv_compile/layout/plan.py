@@ -25,8 +25,9 @@ from torch import Tensor
 
 from ..arguments import integer_arg
 from ..stats import counters, log_once
-from .packing import _contiguous_runs, as_padding_mask, checked_prompt_len, checked_runs, \
-    checked_tokens, prompt_keys
+from .batch_checks import _contiguous_runs, as_padding_mask, checked_prompt_len, checked_runs, \
+    checked_tokens
+from .packing import prompt_keys
 
 __all__ = ["MicroBatchPlan", "micro_batch_rows", "plan_micro_batches"]
 

@@ -49,7 +49,7 @@ def _bucket_problems(cfg, tokenizer, task, dualkv) -> list[str]:
     refuse settings whose lengths can exceed it over a long run."""
     import torch
 
-    from dualkv_compile.layout.packing import bucket_count
+    from dualkv_compile.layout.buckets import bucket_count
 
     # Dynamo's cap on the compiled variants of one function (the packed model's), past which
     # it refuses to compile again; each length compiles up to three of them: the policy's

@@ -3,7 +3,7 @@
 import torch
 
 from dualkv_compile import pack
-from dualkv_compile.layout.packing import bucket_length, check_bucket_growth
+from dualkv_compile.layout.buckets import bucket_length, check_bucket_growth
 from dualkv_compile.rollout.cache import prompt_splits
 
 

@@ -1,0 +1,43 @@
+"""Packed lengths: the bucket a packed micro-batch's valid token count is padded to (one compile
+per distinct length), how many buckets a range of counts meets, and the check of
+`bucket_growth`.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["bucket_count", "bucket_length", "check_bucket_growth"]
+
+
+def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> int:
+    """The packed length T for `num_tokens` valid tokens, one compile per distinct T. With
+    growth 1: the next multiple of `pad_to`. With growth > 1: the next length of the series
+    pad_to, b1, b2, ... where each is the smallest multiple of pad_to at least `growth` times
+    the one before; lengths between T_min and T_max then meet about
+    log(T_max / T_min) / log(growth) buckets, at the cost of up to (growth - 1) x T + pad_to
+    tokens of padding."""
+    check_bucket_growth(growth)
+    t = max(math.ceil(num_tokens / pad_to), 1) * pad_to
+    if growth == 1.0:
+        return t
+    b = pad_to
+    while b < t:
+        b = max(b + pad_to, math.ceil(b * growth / pad_to) * pad_to)
+    return b
+
+
+def bucket_count(max_tokens: int, pad_to: int = 128, growth: float = 1.0,
+                 min_tokens: int = 1) -> int:
+    """How many packed lengths (each a compile) `bucket_length` gives for min..max_tokens."""
+    top, t, n = bucket_length(max_tokens, pad_to, growth), bucket_length(min_tokens, pad_to,
+                                                                          growth), 1
+    while t < top:
+        t, n = bucket_length(t + 1, pad_to, growth), n + 1
+    return n
+
+
+def check_bucket_growth(growth) -> None:
+    """Raise ValueError unless `growth` is a number in [1, 4]."""
+    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 <= growth <= 4:
+        raise ValueError(f"bucket_growth={growth!r} must be a number in [1, 4]")
