@@ -23,7 +23,7 @@ from dualkv_compile.rollout import decode_attention
 from dualkv_compile.rollout import kernels
 from dualkv_compile.rollout.kernels import prompt as prompt_kernel
 from dualkv_compile.rollout.kernels import response as response_kernel
-from tests.rollout.test_rollout_engine import dense_reference, split
+from tests.rollout.engine_helpers import dense_reference, split
 
 traced = torch.compile(decode_attention, backend="aot_eager", fullgraph=True, dynamic=False)
 g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 from dualkv_compile.rollout import RolloutEngine
 from dualkv_compile.rollout import prompt_mask_of
 from dualkv_compile.rollout.uncached import uncached_generate
-from test_rollout_engine import PAD, VOCAB, model_of, ragged_prompts
+from engine_helpers import PAD, VOCAB, model_of, ragged_prompts
 
 EOS = 7  # the pad_id below: HFTokenizer pads with eos when the tokenizer names no pad token
 INSIDE = torch.tensor([[11, 12, EOS, 13, 14, EOS, 15]])  # eos inside the prompt: a token

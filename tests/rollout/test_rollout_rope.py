@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dualkv_compile.rollout import RolloutEngine
 from dualkv_compile.rollout.uncached import uncached_generate
 from dualkv_compile.testing import same_dtype_numerics
-from test_rollout_engine import PAD, VOCAB, ragged_prompts
+from engine_helpers import PAD, VOCAB, ragged_prompts
 
 CONTEXT = 128
 _HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,

@@ -1,0 +1,82 @@
+"""The rollout engine refuses bad input by name (CPU): sampling arguments, prompts, models it
+cannot run, Triton attention on the CPU, a seed given as rng and empty prompts."""
+
+import os
+
+import pytest
+import torch
+
+from dualkv_compile.rollout import RolloutEngine
+from engine_helpers import EOS, PAD, VOCAB, model_of, ragged_prompts
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=0.0), "temperature=0.0"),
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(temperature="0.7"), "temperature='0.7' must be a finite number"),
+    (dict(temperature=float("inf")), "temperature=inf"),
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(temperature=1e-6), r"temperature=1e-06 must be a finite number >= 1e-05"),
+    (dict(top_p=True), "top_p=True must be a number"),
+    (dict(top_p="0.9"), "top_p='0.9' must be a number"),
+    (dict(top_k=0), "top_k=0"),
+    (dict(max_generated_tokens=200), "context of 128"),
+    (dict(group_size=0), "group_size=0"),
+    (dict(stop_tokens=VOCAB), f"stop_tokens={VOCAB}"),
+    (dict(stop_tokens=[EOS, -3]), r"stop_tokens=\[1, -3\]"),
+    (dict(stop_tokens=True), "stop_tokens=True"),
+])
+def test_bad_arguments_are_named(kw, match):
+    args = dict(group_size=2, max_generated_tokens=4, pad_id=PAD) | kw
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(model_of("qwen3")).generate(ragged_prompts(), **args)
+
+
+def test_bad_prompts_are_named():
+    engine = RolloutEngine(model_of("qwen3"))
+    prompts = ragged_prompts()
+    prompts[1] = PAD
+    with pytest.raises(ValueError, match=r"prompts \[1\] hold only pad_id=0"):
+        engine.generate(prompts, group_size=2, max_generated_tokens=3, pad_id=PAD)
+    prompts = ragged_prompts()
+    prompts[0, 3] = VOCAB + 4
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 4}"):
+        engine.generate(prompts, group_size=2, max_generated_tokens=3, pad_id=PAD)
+
+
+def test_unsupported_models_are_refused_by_name():
+    import transformers as tf
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="cannot run GPT2LMHeadModel: model_type='gpt2'"):
+        RolloutEngine(gpt2)
+    base = tf.Qwen3Model(tf.Qwen3Config(num_hidden_layers=1, hidden_size=16, head_dim=4,
+                                        intermediate_size=32, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=50))
+    with pytest.raises(ValueError, match="Qwen3Model: it has no LM head"):
+        RolloutEngine(base)
+    with pytest.raises(ValueError, match="cannot run Linear"):
+        RolloutEngine(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="attention='fast'"):
+        RolloutEngine(model_of("qwen3"), attention="fast")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="CPU kernels run there")
+def test_triton_attention_on_the_cpu_is_refused_with_the_reason():
+    engine = RolloutEngine(model_of("qwen3"), attention="triton")
+    with pytest.raises(ValueError, match="attention='triton' cannot run: (Triton is not "
+                                         "installed|the kernels run on CUDA, not cpu)"):
+        engine.generate(ragged_prompts(groups=1), group_size=2, max_generated_tokens=3, pad_id=PAD)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rng=0), r"rng=0 must be a torch.Generator"),
+    (dict(width=0), r"prompts \(3, 0\) .* P >= 1"),
+])
+def test_a_seed_for_rng_and_empty_prompts_are_named(kw, match):
+    prompts = ragged_prompts()[:, :kw.pop("width", None)]
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(model_of("qwen3")).generate(prompts, group_size=2, max_generated_tokens=4,
+                                                  pad_id=PAD, **kw)
