@@ -1,7 +1,7 @@
 """compile_region="layer": one compiled graph per decoder layer (reused by every layer), the
 embedding, final norm and LM head eager; torchtune decoders and transformers causal LMs (the
-MoE case is in tests/models/test_moe_cpu.py). CPU, fp64, against the unmodified model row by
-row; the FSDP2 use of this path is tests/test_fsdp.py."""
+MoE case is in tests/models/test_moe_grouped_experts.py). CPU, fp64, against the unmodified
+model row by row; the FSDP2 use of this path is tests/test_fsdp.py."""
 
 import pytest
 import torch
