@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from ..arguments import integer_arg
+
 __all__ = ["bucket_count", "bucket_length", "check_bucket_growth"]
 
 
@@ -18,6 +20,8 @@ def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> in
     log(T_max / T_min) / log(growth) buckets, at the cost of up to (growth - 1) x T + pad_to
     tokens of padding."""
     check_bucket_growth(growth)
+    num_tokens = integer_arg("num_tokens", num_tokens, 0)
+    pad_to = integer_arg("pad_to", pad_to, 1)
     t = max(math.ceil(num_tokens / pad_to), 1) * pad_to
     if growth == 1.0:
         return t
@@ -30,6 +34,8 @@ def bucket_length(num_tokens: int, pad_to: int = 128, growth: float = 1.0) -> in
 def bucket_count(max_tokens: int, pad_to: int = 128, growth: float = 1.0,
                  min_tokens: int = 1) -> int:
     """How many packed lengths (each a compile) `bucket_length` gives for min..max_tokens."""
+    if integer_arg("min_tokens", min_tokens, 0) > integer_arg("max_tokens", max_tokens, 0):
+        raise ValueError(f"min_tokens={min_tokens!r} exceeds max_tokens={max_tokens!r}")
     top, t, n = bucket_length(max_tokens, pad_to, growth), bucket_length(min_tokens, pad_to,
                                                                           growth), 1
     while t < top:

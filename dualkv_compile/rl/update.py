@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..arguments import as_index, as_real, integer_arg
-from ..layout.packing import as_padding_mask
+from ..layout.batch_checks import as_padding_mask
 from ..layout.plan import micro_batch_rows
 from ..fsdp import is_sharded
 from . import distributed as ddp
