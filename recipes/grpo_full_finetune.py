@@ -16,6 +16,10 @@ Data parallel with FSDP2: `tune run --nproc_per_node K ...` (NCCL on CUDA, gloo 
 each decoder layer and the model (dualkv_compile.rl.distributed.shard_decoder); each rank
 samples its own share of the step's groups, the loss is normalised over all ranks' tokens, and
 optimize() drives the FSDP hooks layer by layer (compile_region "auto" -> "layer").
+
+The recipe's rollouts (prompts, sampling, rewards) are the mixin
+dualkv_compile.rl.recipe_rollouts.RecipeRollouts, its checkpoints
+dualkv_compile.rl.recipe_checkpoints.RecipeCheckpoints.
 """
 
 from __future__ import annotations
@@ -32,24 +36,25 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import (NoGroupWithSignal, group_advantages, overlong_penalty,
-                               peak_bf16_tflops, policy_update_flops, scored_groups)
+from dualkv_compile.rl import (NoGroupWithSignal, group_advantages, peak_bf16_tflops,
+                               policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.metric_log import close_logger, log_step, open_metric_logger
 from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
 from dualkv_compile.rl.recipe_config import (ConfigError, instantiate_checked, parse_checked,
                                              split_problem)
 from dualkv_compile.rl.recipe_checkpoints import RecipeCheckpoints
+from dualkv_compile.rl.recipe_rollouts import RecipeRollouts
 from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal, prepare_output_dir,
                                          replace_earlier_run)
-from dualkv_compile.rl.rollout_batch import rollout_batch, truncated_responses
+from dualkv_compile.rl.rollout_batch import truncated_responses
 from dualkv_compile.rl.update import NonFiniteGradient, optimizer_step
 from dualkv_compile.rollout import RolloutEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
-class GRPORecipe(RecipeCheckpoints):
+class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         if cfg.dtype not in _DTYPES:
@@ -170,45 +175,6 @@ class GRPORecipe(RecipeCheckpoints):
         self.metric_logger = open_metric_logger(
             cfg.metric_logger, cfg, output_dir=self.output_dir,
             resume_step=resumed) if self.rank == 0 else None
-
-    # ---- rollouts ----------------------------------------------------------------------------
-    def rollout(self, prompts: torch.Tensor):
-        """prompts [G, P] -> tokens [G*N, P+T], padding mask, response lengths (the stop token
-        included): rl.rollout_batch, each prompt prefilled once for its N samples. A sharded
-        rank with G = 0 still joins the others' weight gathering."""
-        cfg, tok = self.cfg, self.tokenizer
-        return rollout_batch(
-            self.rollout_engine, prompts.to(self.device), group_size=cfg.group_size,
-            pad_id=tok.pad_id, max_generated_tokens=cfg.max_generated_tokens,
-            stop_tokens=tok.stop_tokens, rows_per_call=cfg.get("rollout_batch_rows"),
-            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.get("top_p"), rng=self.rng,
-            dtype=self.dtype)
-
-    def _sample_prompts(self, need: int):
-        """This rank's `need` prompts. Every rank draws all ranks' prompts from the task (so
-        its generator stays the same everywhere, and one process sees the same order) and
-        keeps its own slice."""
-        needs = [int(n) for n in ddp.gather_objects(need)]
-        prompts, answers = self.task.sample_prompts(sum(needs))
-        start = sum(needs[: self.rank])
-        return prompts[start:start + need], answers[start:start + need]
-
-    def _scored_rollouts(self):
-        """This rank's scored groups (rl.scored_groups: dynamic sampling refills groups whose
-        rewards are all equal; a rank left with none trains on fillers at weight 0)."""
-        cfg = self.cfg
-        return scored_groups(self._sample_prompts, self.rollout, self._score,
-                             groups=self.groups_per_rank, group_size=cfg.group_size,
-                             dynamic_sampling=cfg.dynamic_sampling, pad_id=self.tokenizer.pad_id)
-
-    def _score(self, responses: torch.Tensor, answers: list, lengths: torch.Tensor):
-        """The task's rewards, with DAPO's overlong penalty if configured (on the CPU)."""
-        rewards = self.task.rewards(responses, answers)
-        if self.cfg.get("overlong"):
-            overlong = self.cfg.overlong
-            rewards = rewards + overlong_penalty(lengths.cpu(), max_len=overlong.max_len,
-                                                 cache_len=overlong.cache_len)
-        return rewards
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self) -> dict:
