@@ -206,8 +206,10 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         groups, n = rewards.shape[0], cfg.group_size
         # no more updates than the most groups a rank has (dynamic sampling may keep fewer):
         # an update with no rows anywhere would step the optimizer on zero gradients
-        updates = min(cfg.get("updates_per_step", 1), int(ddp.all_max(groups)[0]))
-        sums = [0.0, 0.0, 0.0, 0.0]  # loss, kl, clip_fraction, grad_norm over the updates
+        # (a filler rank's groups are another rank's, run at weight 0: not counted here)
+        most = int(ddp.all_max(groups * counted)[0])
+        updates = min(cfg.get("updates_per_step", 1), max(most, 1))
+        taken = []  # the StepStats of the updates that stepped the optimizer
         for u in range(updates):
             # the groups in `updates` consecutive mini-batches, an optimizer step each (DAPO's
             # and veRL's mini-batches): `old` stays the sampling policy's, so from the second
@@ -221,9 +223,12 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
                 micro_batch_groups=cfg.micro_batch_groups, max_grad_norm=cfg.max_grad_norm,
                 max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and hi > lo),
                 loss_mask=loss_mask[rows])
-            self.updates_taken += 1
-            sums = [a + b / updates for a, b in zip(sums, stats)]
-        loss_sum, kl_sum, clip_sum, grad_norm = sums
+            if stats.stepped:  # (a skipped update left the weights as they were)
+                self.updates_taken += 1
+                taken.append(stats[:4])
+        # loss, kl, clip_fraction, grad_norm: means over the updates taken
+        means = [sum(s) / len(taken) for s in zip(*taken)] if taken else [0.0] * 4
+        loss_sum, kl_sum, clip_sum, grad_norm = means
         t_end = time.perf_counter()
         packed = dk.pack(tokens, prompt_len=p, padding_mask=mask)
         # the sampling policy's mean response-token logprob: a whole forward pass in one number
@@ -248,6 +253,7 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         return {"reward": reward_sum / (n_groups * cfg.group_size),
                 "sampled_reward": sampled_sum / max(n_sampled, 1), "loss": loss_sum,
                 "kl": kl_sum, "clip_fraction": clip_sum, "grad_norm": grad_norm,
+                "updates": float(len(taken)),
                 "response_logprob": logprob_sum / max(total_tokens, 1.0),
                 "response_length": length_sum / (n_groups * cfg.group_size),
                 "truncated_fraction": truncated_sum / (n_groups * cfg.group_size),

@@ -9,7 +9,9 @@ from dualkv_compile.rl import RepeatLastLetterTask
 # plan -> rank -> per rewards() call, the groups (of the rows passed) whose rewards are all 0
 NO_SIGNAL = {"refill": {0: [[0], []], 1: [[0, 1], [0], []]},
              # rank 1 never finds a signal in its 4 rounds (2 groups each)
-             "rank1_silent": {0: [[], []], 1: [[0, 1]] * 4}}
+             "rank1_silent": {0: [[], []], 1: [[0, 1]] * 4},
+             # rank 0 keeps one group of its two, rank 1 none
+             "rank0_one_rank1_silent": {0: [[0]] * 4, 1: [[0, 1]] * 4}}
 
 
 class RankDependentTask(RepeatLastLetterTask):

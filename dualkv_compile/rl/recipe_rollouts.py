@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from dualkv_compile import rl
-
 from . import distributed as ddp
+from .dynamic_sampling import scored_groups
 from .losses import overlong_penalty
 from .rollout_batch import rollout_batch
 
@@ -45,12 +44,9 @@ class RecipeRollouts:
         """This rank's scored groups (rl.scored_groups: dynamic sampling refills groups whose
         rewards are all equal; a rank left with none trains on fillers at weight 0)."""
         cfg = self.cfg
-        # read from the package at each call, as the recipe's import read it at each load (a
-        # test replaces dualkv_compile.rl.scored_groups)
-        return rl.scored_groups(self._sample_prompts, self.rollout, self._score,
-                                groups=self.groups_per_rank, group_size=cfg.group_size,
-                                dynamic_sampling=cfg.dynamic_sampling,
-                                pad_id=self.tokenizer.pad_id)
+        return scored_groups(self._sample_prompts, self.rollout, self._score,
+                             groups=self.groups_per_rank, group_size=cfg.group_size,
+                             dynamic_sampling=cfg.dynamic_sampling, pad_id=self.tokenizer.pad_id)
 
     def _score(self, responses: torch.Tensor, answers: list, lengths: torch.Tensor):
         """The task's rewards, with DAPO's overlong penalty if configured (on the CPU)."""

@@ -13,8 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TUNE = str(Path(sys.executable).parent / "tune")
 
 
-def tune_run(out: Path, *overrides: str, config="tiny_grpo.yaml", timeout=600) -> list[dict]:
-    """Run a config on 2 processes; the per-step metrics DiskLogger wrote."""
+def tune_run(out: Path, *overrides: str, config="tiny_grpo.yaml", timeout=600,
+             output: list | None = None) -> list[dict]:
+    """Run a config on 2 processes; the per-step metrics DiskLogger wrote (and what the run
+    printed appended to `output`)."""
     cmd = [TUNE, "run", "--nproc_per_node", "2", "recipes/grpo_full_finetune.py", "--config",
            f"recipes/configs/{config}", f"output_dir={out}",
            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
@@ -22,6 +24,8 @@ def tune_run(out: Path, *overrides: str, config="tiny_grpo.yaml", timeout=600) -
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     rows = []
     for log in sorted((out / "logs").glob("*.txt")):
         for line in log.read_text().splitlines():
@@ -169,6 +173,23 @@ def test_dynamic_sampling_runs_on_when_one_rank_keeps_no_group(tmp_path):
     assert step["sampled_reward"] == 8 / 80
     assert step["grad_norm"] > 0
 
+
+
+def test_a_filler_ranks_groups_add_no_update(tmp_path):
+    """Rank 0 keeps one group, rank 1 none (it trains on fillers at weight 0). The number of
+    updates counted the filler rank's two groups: with updates_per_step=2 the step ran a
+    second update with no counted row anywhere, skipped with a warning about truncated
+    responses, and its zeros halved the step's loss and grad_norm."""
+    said = []
+    rows = tune_run(tmp_path / "one", "num_steps=1", "groups_per_step=4", "group_size=8",
+                    "micro_batch_groups=1", "rollout_batch_rows=8", "dynamic_sampling=true",
+                    "updates_per_step=2",
+                    "task._component_=tests.rank_dependent_task.RankDependentTask",
+                    "task.group_size=8", "task.plan=rank0_one_rank1_silent", timeout=300,
+                    output=said)
+    (step,) = rows
+    assert step["updates"] == 1 and step["grad_norm"] > 0
+    assert "counts no response token" not in said[0], said[0][-3000:]
 
 
 FULL_DISK_ON_RANK_0 = '''

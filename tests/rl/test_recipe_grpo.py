@@ -230,17 +230,17 @@ def test_updates_are_capped_at_the_groups_a_step_kept(tmp_path, monkeypatch):
     """Dynamic sampling may keep fewer groups than updates_per_step: an update with no group
     anywhere would step AdamW on zero gradients (moving the weights by its momentum) and dilute
     the metrics. With one group kept, two updates train as one."""
-    import dualkv_compile.rl as rl
+    from dualkv_compile.rl import recipe_rollouts
     from dualkv_compile.rl.dynamic_sampling import ScoredGroups
 
-    real = rl.scored_groups
+    real = recipe_rollouts.scored_groups
 
     def one_group(*args, **kwargs):
         s, n = real(*args, **kwargs), kwargs["group_size"]
         return ScoredGroups(s.tokens[:n], s.mask[:n], s.lengths[:n], s.rewards[:1],
                             s.prompt_len, s.sampled, s.filler)
 
-    monkeypatch.setattr(rl, "scored_groups", one_group)
+    monkeypatch.setattr(recipe_rollouts, "scored_groups", one_group)
     one = run(tmp_path, "one", num_steps=2, updates_per_step=1)
     two = run(tmp_path, "two", num_steps=2, updates_per_step=2)
     for a, b in zip(one.history, two.history):

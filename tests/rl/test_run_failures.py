@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from recipe_helpers import CONFIG, load_recipe, run
 
 import dualkv_compile as dk
-from dualkv_compile.rl import GRPOLoss, NonFiniteGradient, optimizer_step
+from dualkv_compile.rl import GRPOLoss, NonFiniteGradient, StepStats, optimizer_step
 from dualkv_compile.rl.recipe_config import ConfigError
 from dualkv_compile.rl.run_guard import RunFailed, check_output_dir, write_checkpoint
 from dualkv_compile.testing import make_batch, same_dtype_numerics, tiny_model
@@ -120,6 +120,36 @@ def test_a_diverging_run_saves_the_step_before_and_a_resume_starts_the_failed_st
     assert first == second and first.startswith(f"step {k + 1}: ")  # the same loss too
     # and the checkpoint it resumed from is kept, not written again
     assert f"checkpoint.pt holds step {k}, the last good one" in str(failed_again.value)
+
+
+def test_a_skipped_update_does_not_count_as_one_that_changed_the_weights(tmp_path):
+    # an update whose loss counts no token (every response truncated under overlong
+    # filtering) is skipped; it was counted as taken, so a later update's non-finite gradient
+    # left the step's unchanged weights unsaved ("the step's first 1 update(s) had changed the
+    # weights"), losing every step since the last save
+    module = load_recipe()
+    real, calls = module.optimizer_step, []
+
+    def skipped_then_diverging(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # step 2's first update, skipped as optimizer_step skips one
+            return StepStats(0.0, 0.0, 0.0, 0.0, stepped=False)
+        if len(calls) == 4:
+            raise NonFiniteGradient("the gradient norm is nan")
+        return real(*args, **kwargs)
+
+    module.optimizer_step = skipped_then_diverging
+    cfg = OmegaConf.load(CONFIG)
+    for key, value in {"output_dir": str(tmp_path / "run"), "num_steps": 3, "save_every": 0,
+                       "updates_per_step": 2}.items():
+        OmegaConf.update(cfg, key, value)
+    recipe = module.GRPORecipe(cfg)
+    recipe.setup()
+    with pytest.raises(RunFailed, match="step 2: .*the weights of step 1 were saved"):
+        recipe.train()
+    recipe.cleanup()
+    assert recipe.history[0]["updates"] == 2
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 1
 
 
 def test_a_step_without_a_group_to_train_on_saves_the_step_before(tmp_path):
