@@ -316,7 +316,6 @@ def test_bench_ab_prepare_refuses_a_file_and_replaces_an_earlier_prepare(tmp_pat
     assert not stale.exists() and (stale.parent / "__init__.py").is_file()
 
 
-
 def test_inspect_writes_its_files_before_printing(tmp_path):
     # `inspect --out DIR | head` left the reader before the files were written: none were
     from dualkv_compile.tools.cli import build_parser
