@@ -221,14 +221,18 @@ def refusal_case():
     lp = torch.zeros(2, tokens.shape[1] - p, dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     result = {"case": "refusals"}
-    for name, shard, loss_mask in [("one_rank", True, mask[:, p:].double() if rank else None),
-                                   ("unsharded", False, None)]:
+    oov = tokens.clone()
+    oov[0, p] = 10_000  # past the vocabulary: refused by the model's own token check
+    for name, shard, loss_mask, ids in [
+            ("one_rank", True, mask[:, p:].double() if rank else None, tokens),
+            ("oov_one_rank", True, None, oov if rank else tokens),
+            ("unsharded", False, None, tokens)]:
         model = same_dtype_numerics(tiny_model("qwen2_5")).double()
         if shard:
             fully_shard(model)
         try:
             optimizer_step(dk.optimize(model), GRPOLoss(), torch.optim.SGD(model.parameters()),
-                           tokens, mask, p, lp, lp, adv, group_size=2, temperature=1.0,
+                           ids, mask, p, lp, lp, adv, group_size=2, temperature=1.0,
                            max_grad_norm=1.0, loss_mask=loss_mask)
             said = "accepted"
         except ValueError as e:

@@ -82,6 +82,10 @@ def test_a_refusal_on_one_rank_stops_every_rank(cases):
     rank0, rank1 = case["one_rank"]
     assert rank0.startswith("optimizer_step: another rank refused its inputs"), rank0
     assert rank1.startswith("loss_mask must be bool"), rank1
+    rank0, rank1 = case["oov_one_rank"]  # refused inside the model's forward, after the others
+    # had entered FSDP's all-gather: rank 0 waited there
+    assert rank0.startswith("optimizer_step: another rank refused its inputs"), rank0
+    assert "outside the model's vocabulary" in rank1, rank1
     assert all("needs an FSDP2-sharded model" in said for said in case["unsharded"]), case
 
 

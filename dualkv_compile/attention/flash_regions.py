@@ -226,9 +226,12 @@ def flash_regions_backward(dout, q, k, v, out, lse, plan: Plan, scale: float):
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if not (q.is_floating_point() and q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"attention_backend='flash_regions' needs q, k and v of one floating "
-                         f"dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    # (mixed float dtypes run on the CPU, where the math is fp32: CPU autocast gives fp32 q/k
+    # after RoPE and a bf16 v; flash_status below refuses them on CUDA)
+    if not all(t.is_floating_point() for t in (q, k, v)) or (
+            q.is_cuda and not q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention_backend='flash_regions' needs floating q, k and v (one "
+                         f"dtype on CUDA), got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} differ")
     if q.is_cuda:

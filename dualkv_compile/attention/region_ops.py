@@ -43,8 +43,9 @@ def plan_of_tables(segment_ids: Tensor, prefix_segment_ids: Tensor, build=None):
 
 def _version(t: Tensor) -> int:
     """t's in-place version; an inference tensor (made under torch.inference_mode, as pack()
-    inside an optimize() call there makes its tables) has no counter: 0, as the library never
-    writes to a table in place."""
+    inside an optimize() call there makes its tables) has no counter: 0. Its plan is then
+    reused while the object lives: the tables are pack()'s, which nothing writes in place (a
+    caller who edits a PackedBatch's tables inside inference_mode would get the old plan)."""
     return 0 if t.is_inference() else t._version
 
 

@@ -42,8 +42,10 @@ _PLAIN = re.compile(r"[-\u2212]?[\d.,]+")
 _DECORATION = re.compile(r"\\(?:left|right|[,;: ])|\\?[$%]|\^\{?\\circ\}?|"
                          r"\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*\}")
 _MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
-# the whole part of a mixed number in running text: an integer, one space before a fraction
-_WHOLE_BEFORE = re.compile(r"(?<![\w.,/])[-\u2212]?\d+[ \t]+$")
+# the whole part of a mixed number in running text: an integer standing alone (after a space,
+# a line break or the start; not a time's "10:30", a ratio's "3:1", a date's "10-05" or an
+# exponent's "x^2"), spaces before the fraction (not a tab: a table's column)
+_WHOLE_BEFORE = re.compile(r"(?<!\S)[-\u2212]?\d+ +$")
 _SPACED_THOUSANDS = re.compile(r"[-\u2212]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
 
 

@@ -64,6 +64,10 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
             raise ValueError("tokens has no rows: a rank with nothing to train on passes rows "
                              "of a group (e.g. another rank's first) with counted=False, so "
                              "that it runs the same forward and collectives at weight 0")
+        policy._check_tokens(tokens)  # ids in the vocabulary, on the model's device
+        if not isinstance(mask, Tensor) or mask.shape != tokens.shape:
+            raise ValueError(f"mask must be a tensor of the tokens' shape {tuple(tokens.shape)}, "
+                             f"got {getattr(mask, 'shape', type(mask).__name__)}")
         p = _check_rows(tokens, prompt_len, old=old, ref=ref, advantages=advantages)
         x = as_real(max_grad_norm)
         if x is None or not x > 0:  # inf: no clipping
@@ -77,9 +81,10 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
         batches = micro_batch_rows(mask, prompt_len=p, group_size=group_size,
                                    groups=micro_batch_groups, max_tokens=max_tokens)
         refused = None
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - agreed across ranks below, then raised as it was
         refused = e
-    # a refusal on one rank alone would leave the others waiting in the first collective
+    # a refusal on one rank alone would leave the others waiting in the first collective (the
+    # model's own checks in response_loss run again below, on data these checks passed)
     if world_size > 1 and ddp.all_max(float(refused is not None))[0] and refused is None:
         raise ValueError("optimizer_step: another rank refused its inputs (its error says "
                          "why); every rank stops, so that none waits in a collective")

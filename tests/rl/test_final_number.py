@@ -26,6 +26,10 @@ from dualkv_compile.rl import final_number
     # after a decimal, a list or a line break is not its fraction part
     ("The answer is 1 1/2.", "3/2"), ("so -2 3/4", "-11/4"), ("it is 1 \\frac{1}{2}", "3/2"),
     ("2.5 1/2", "1/2"), ("3 + 1/2", "1/2"), ("page 3\n1/2", "1/2"),
+    # nor after a time, a ratio, a date, an exponent or a table's tab (each once read 61/2,
+    # 3/2, 11/2, 5/2, 7/2 while mixed numbers were first read in running text)
+    ("At 10:30 1/2 of them left", "1/2"), ("The ratio is 3:1 1/2", "1/2"),
+    ("On 2023-10-05 1/2 were sold", "1/2"), ("x^2 1/2", "1/2"), ("x\ty\n3\t1/2", "1/2"),
 ])
 def test_final_number_reads_values(text, value):
     # each of the first five once read another number: 5, 5, 7, 15, 4

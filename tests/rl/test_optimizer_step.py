@@ -160,6 +160,9 @@ def test_max_grad_norm_and_empty_or_integer_masks():
                                          "passes rows of a group"):
         optimizer_step(dk.optimize(model), loss_fn, opt, tokens[:0], mask[:0], p, old[:0],
                        ref[:0], adv[:0], max_grad_norm=1.0, counted=False, **kw)
+    with pytest.raises(ValueError, match=r"mask must be a tensor of the tokens' shape"):
+        optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask[:, 1:], p, old, ref, adv,
+                       max_grad_norm=1.0, **kw)
     assert all(q.grad is None for q in model.parameters())
     twin = copy.deepcopy(model)
     _, update = step(model, tokens, mask, p, old, ref, adv, loss_fn, None)
