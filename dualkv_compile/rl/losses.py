@@ -10,6 +10,7 @@ rewards are all equal carry no signal) and overlong reward shaping.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -155,11 +156,15 @@ class GRPOLoss:
                              f"shape [B, R] and advantages [B]; got {shapes}")
         _check_mask(mask)
         weights = (self.token_weights(mask) * scale).flatten()
-        old, ref = old_logprobs.flatten(), ref_logprobs.flatten()
+        old, ref, flat_mask = old_logprobs.flatten(), ref_logprobs.flatten(), mask.flatten()
         adv = advantages[:, None].expand_as(old_logprobs).flatten()
 
         def loss(logprobs: Tensor, index: Tensor) -> Tensor:
-            per_token = self._per_token(logprobs, old[index], ref[index], adv[index])
+            # the LM head evaluates every token of the padding mask; those the loss mask leaves
+            # out (DAPO's filtered responses) may hold NaN or -inf old logprobs, which their
+            # weight of 0 would not cancel
+            per_token = self._per_token(*_at_tokens(flat_mask[index], logprobs, old[index],
+                                                    ref[index]), adv[index])
             return per_token * weights[index].to(per_token.dtype)
 
         # response_loss checks both against its tokens: a flat index into another shape
@@ -168,17 +173,25 @@ class GRPOLoss:
         loss.response_shape, loss.response_mask = br, mask
         return loss
 
-    def _ratio_kl(self, logprobs, old_logprobs, ref_logprobs):
-        """Elementwise: the ratio to the sampling policy, it clipped, the k3 KL estimate."""
-        ratio = torch.exp(logprobs - old_logprobs)
+    def _ratio_kl(self, logprobs, old_logprobs, ref_logprobs, advantages=None):
+        """Elementwise: the ratio to the sampling policy, it clipped, the k3 KL estimate. Given
+        the advantages, a log-ratio past log(1 + epsilon_high) + 1 is capped where the
+        advantage is >= 0: the loss takes the clipped term there (or none, at 0), so value and
+        gradient are unchanged, and exp cannot overflow into inf * 0 = NaN (a log-ratio above
+        88.7 in float32). A negative advantage takes the ratio itself: left to overflow."""
+        log_ratio = logprobs - old_logprobs
+        if advantages is not None:
+            cap = math.log1p(self.epsilon_high) + 1.0
+            log_ratio = torch.where(advantages >= 0, log_ratio.clamp_max(cap), log_ratio)
+        ratio = torch.exp(log_ratio)
         diff = ref_logprobs - logprobs
         return (ratio, ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high),
                 torch.exp(diff) - diff - 1)
 
     def _per_token(self, logprobs, old_logprobs, ref_logprobs, advantages):
         """The clipped policy term plus the KL term of each token; elementwise."""
-        ratio, clipped, kl = self._ratio_kl(logprobs, old_logprobs, ref_logprobs)
         adv = advantages.to(logprobs.dtype)
+        ratio, clipped, kl = self._ratio_kl(logprobs, old_logprobs, ref_logprobs, adv)
         return -torch.minimum(ratio * adv, clipped * adv) + self.kl_coef * kl
 
     @torch.no_grad()
@@ -188,10 +201,12 @@ class GRPOLoss:
         outside [1 - epsilon_low, 1 + epsilon_high], whether or not the clipped term is the one
         the loss takes for its advantage's sign) and the ratio."""
         _check_mask(mask)
-        m = mask.to(logprobs.dtype)
+        acc = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 sums skew the means
+        m = mask.to(acc)
         n = m.sum().clamp_min(1)
-        ratio, clipped, kl = self._ratio_kl(*_at_tokens(mask, logprobs, old_logprobs,
-                                                        ref_logprobs))
+        ratio, clipped, kl = self._ratio_kl(*_at_tokens(mask, logprobs.to(acc),
+                                                        old_logprobs.to(acc),
+                                                        ref_logprobs.to(acc)))
         return {"kl": (kl * m).sum() / n,
                 "clip_fraction": ((ratio != clipped).to(m.dtype) * m).sum() / n,
                 "ratio": (ratio * m).sum() / n}

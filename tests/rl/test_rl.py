@@ -200,3 +200,56 @@ def test_tokenizer_and_task_reward():
     first = task.sample_prompts(2)[0]
     task.load_state_dict(state)
     assert torch.equal(task.sample_prompts(2)[0], first)  # resumable data order
+
+
+def test_tokens_the_loss_mask_leaves_out_do_not_reach_the_fused_loss():
+    # the LM head evaluates every padding-mask token, and token_loss computed each one's term
+    # before its weight of 0: NaN or -inf old logprobs at tokens a loss mask leaves out (DAPO's
+    # filtered responses) made the loss or its gradient NaN
+    g = torch.Generator().manual_seed(3)
+    lp = torch.randn(2, 4, dtype=torch.float64, generator=g).requires_grad_()
+    loss_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    index = torch.arange(8)  # every token: the padding mask keeps them all
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss_fn = GRPOLoss(kl_coef=0.1, aggregation="token")
+    clean = lp.detach() + 0.2
+    want = loss_fn.token_loss(clean, clean, adv, loss_mask)(lp.flatten(), index).sum()
+    for fill in (float("nan"), float("-inf")):
+        dirty = torch.where(loss_mask, clean, torch.full_like(clean, fill))
+        loss = loss_fn.token_loss(dirty, dirty, adv, loss_mask)(lp.flatten(), index).sum()
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.equal(loss, want) and torch.isfinite(grad).all()
+        assert (grad[~loss_mask] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_ratio_past_exps_range_keeps_the_clipped_value_and_gradient(dtype):
+    # exp(91) is inf in float32 (exp(751) in float64): a positive advantage takes the clipped
+    # term, whose gradient is 0, and got NaN (0 * inf in exp's backward); a zero advantage got
+    # a NaN loss (inf * 0). A negative one takes the ratio itself and overflows honestly
+    big = 90.0 if dtype == torch.float32 else 750.0
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.2, aggregation="token")
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    for adv, want in [(1.0, -1.2), (0.0, 0.0)]:
+        lp = torch.tensor([[-1.0]], dtype=dtype, requires_grad=True)
+        old = torch.tensor([[-1.0 - big]], dtype=dtype)
+        loss, stats = loss_fn(lp, old, lp.detach(), torch.tensor([adv], dtype=dtype), mask)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert abs(loss.item() - want) < 1e-6 and grad.item() == 0, (adv, loss, grad)
+        assert stats["clip_fraction"] == 1
+    lp = torch.tensor([[-1.0]], dtype=dtype, requires_grad=True)
+    loss, _ = loss_fn(lp, old, lp.detach(), torch.tensor([-1.0], dtype=dtype), mask)
+    assert loss.item() == float("inf")
+
+
+def test_stats_of_bf16_logprobs_count_in_float32():
+    # the token count and sums ran in bf16: clip_fraction 0.5078 for 0.5193 over 1733 tokens
+    g = torch.Generator().manual_seed(4)
+    lp = torch.randn(3, 700, generator=g)
+    old = lp + 0.3 * torch.randn(3, 700, generator=g)
+    mask = torch.arange(700) < torch.tensor([[700], [600], [433]])
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.2)
+    half = [t.to(torch.bfloat16) for t in (lp, old)]
+    got = loss_fn.stats(half[0], half[1], half[0], mask)["clip_fraction"]
+    want = loss_fn.stats(half[0].double(), half[1].double(), half[0].double(), mask)
+    assert abs(got.item() - want["clip_fraction"].item()) < 1e-6
