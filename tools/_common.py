@@ -16,9 +16,9 @@ from pathlib import Path
 from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
-           "environment", "interleaved_medians", "parse_caps", "parse_ragged_case", "parse_shape",
-           "positive_float", "positive_int", "ragged_only", "ResultsWriteError", "seed_int",
-           "write_results"]
+           "environment", "interleaved_medians", "is_number", "parse_caps", "parse_ragged_case",
+           "parse_shape", "positive_float", "positive_int", "ragged_only", "ResultsWriteError",
+           "seed_int", "unknown_flag", "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -34,17 +34,23 @@ class OneLineParser(argparse.ArgumentParser):
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:
             flag = next((a.split("=", 1)[0] for a in extra
-                         if a.startswith("-") and not _is_number(a)), None)
+                         if a.startswith("-") and not is_number(a)), None)
             if flag is None or self._subparsers is not None:  # a subcommand's flags are its own
                 self.error(f"unrecognized arguments: {' '.join(extra)}")
-            known = [o for action in self._actions for o in action.option_strings]
-            close = difflib.get_close_matches(flag, known, n=1)
-            self.error(f"unrecognized argument {flag}"
-                       + (f"; did you mean {close[0]}?" if close else ""))
+            self.error(unknown_flag(self, flag))
         return parsed
 
 
-def _is_number(text: str) -> bool:
+def unknown_flag(parser: argparse.ArgumentParser, flag: str) -> str:
+    """The error for a flag `parser` does not know, naming the closest one it does (difflib
+    finds no short flag close: -n for -N is the other case)."""
+    flags = [o for action in parser._actions for o in action.option_strings]
+    close = difflib.get_close_matches(flag, flags, n=1) or [
+        f for f in flags if not f.startswith("--") and f.lower() == flag.lower()]
+    return f"unrecognized argument {flag}" + (f"; did you mean {close[0]}?" if close else "")
+
+
+def is_number(text: str) -> bool:
     """A negative number is a value, not a flag."""
     try:
         float(text)

@@ -11,13 +11,13 @@ User errors (unknown model, impossible numbers, missing files) exit 2 with one l
 from __future__ import annotations
 
 import argparse
-import difflib
+import functools
 import os
 import signal
 import sys
 import threading
 
-from ._common import OneLineParser, _is_number, positive_int, seed_int
+from ._common import OneLineParser, is_number, positive_int, seed_int, unknown_flag
 from .bench import SUITE
 from .bench import run as run_bench
 from .models import PRESETS, TINY, CliError
@@ -41,10 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     models = ", ".join(TINY + tuple(PRESETS))
     # no abbreviated flags: `plan --group 2` was taken for --group-size (N), where inspect's
     # and mask's parsers, which also have --groups, call it ambiguous
-    ap = OneLineParser(prog="dualkv", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    subs = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = functools.partial(OneLineParser, allow_abbrev=False)
+    ap = parser(prog="dualkv", description=__doc__.split("\n\n")[0])
+    subs = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                             parser_class=parser)
 
-    ins = subs.add_parser("inspect", allow_abbrev=False, help="trace a model through optimize() on CPU and show "
+    ins = subs.add_parser("inspect", help="trace a model through optimize() on CPU and show "
                                           "the graph before and after each pass")
     ins.add_argument("--model", required=True, help=f"{models}, or a config.json path")
     _layout(ins)
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "regions op (regions: cuDNN, flash_regions: flash-attn-4); default "
                           "auto")
 
-    msk = subs.add_parser("mask", allow_abbrev=False, help="draw the block mask of a layout as a PNG")
+    msk = subs.add_parser("mask", help="draw the block mask of a layout as a PNG")
     _layout(msk)
     msk.add_argument("--ragged", action="store_true",
                      help="random response lengths up to --response-len")
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "within 1024 pixels a side)")
     msk.add_argument("--out", required=True, help="PNG file to write")
 
-    pln = subs.add_parser("plan", allow_abbrev=False, help="predicted savings and memory with and without dualkv")
+    pln = subs.add_parser("plan", help="predicted savings and memory with and without dualkv")
     pln.add_argument("--model", required=True, help=f"{models}, or a config.json path")
     # the same spellings as inspect's and mask's layout flags
     pln.add_argument("-N", "--group-size", dest="N", type=int, required=True,
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--state-bytes", type=positive_int, default=12,
                      help="training-state bytes per parameter (default 12)")
 
-    bch = subs.add_parser("bench", allow_abbrev=False, help="run a benchmark of the suite (needs CUDA)",
+    bch = subs.add_parser("bench", help="run a benchmark of the suite (needs CUDA)",
                           description="Runs one benchmark; the arguments after its name are "
                                       "passed to it (`dualkv bench attention --help`).")
     bch.add_argument("name", choices=sorted(SUITE))
@@ -114,13 +116,9 @@ def _unknown_flags(parser, argv: list[str]) -> None:
         if name.startswith("--"):
             if name in flags:
                 continue  # a flag (whole: the parsers take no abbreviations)
-        elif not name.startswith("-") or _is_number(name) or any(arg.startswith(f) for f in short):
+        elif not name.startswith("-") or is_number(name) or any(arg.startswith(f) for f in short):
             continue  # a value (a negative number too), or a short flag (-N2 carries its value)
-        # (difflib finds no short flag close: -n for -N is the other case)
-        close = difflib.get_close_matches(name, flags, n=1) or [
-            f for f in short if f.lower() == name.lower()]
-        sub.error(f"unrecognized argument {name}" + (f"; did you mean {close[0]}?" if close
-                                                     else ""))
+        sub.error(unknown_flag(sub, name))
 
 
 def main(argv=None) -> int:
