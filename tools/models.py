@@ -227,7 +227,7 @@ def _check_memory(name: str, layers: int | None) -> None:
     """Refuse, before building, a model that does not fit the memory this machine has available
     (the allocator's own error is a long traceback). Building takes the fp32 weights, a second
     copy of a tied embedding (transformers makes the LM head before tying it) and about 0.2 GiB
-    of imports (measured peaks: qwen3-0.6b, 1 layer, 2.2x its weights; qwen3-8b, 1 layer, 1.03x)."""
+    of imports."""
     from .plan_cmd import estimate
 
     try:
