@@ -38,8 +38,17 @@ def sliding_window(cfg) -> str | None:
     window = _field(cfg, "sliding_window")
     if set(kinds) - {"full_attention"}:
         return f"layer_types={kinds}, sliding_window={window}"
-    if kinds and _field(cfg, "model_type") in _WINDOW_BY_LAYER_TYPE:
+    by_layer_type = _field(cfg, "model_type") in _WINDOW_BY_LAYER_TYPE
+    if kinds and by_layer_type:
         return None  # every layer full: its attention reads the window only on sliding layers
+    if isinstance(cfg, dict) and by_layer_type:
+        # config.json without layer_types: the post-init makes layers from max_window_layers
+        # on sliding, where use_sliding_window is set (default False, max_window_layers 28)
+        start = cfg.get("max_window_layers", 28)
+        if window and cfg.get("use_sliding_window", False) and \
+                start < cfg.get("num_hidden_layers", start + 1):
+            return f"use_sliding_window=True, sliding_window={window}, max_window_layers={start}"
+        return None
     if not isinstance(cfg, dict):
         # a model's config after its post-init: Mistral's and Qwen3-MoE's attention read
         # config.sliding_window itself (a value set after the post-init, as from_pretrained's

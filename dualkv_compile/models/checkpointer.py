@@ -19,8 +19,8 @@ import torch
 from safetensors import SafetensorError
 
 from ..durable import sync, sync_entry, write_failed
-from .hf_checkpoint import (check_tied_head, fuse_moe_experts, hf_to_ours, read_hf_state,
-                            split_moe_experts, write_hf_state)
+from .hf_checkpoint import (check_tied_head, fuse_moe_experts, hf_to_ours, ours_to_hf,
+                            read_hf_state, split_moe_experts, write_hf_state)
 
 __all__ = ["Qwen3HFCheckpointer"]
 
@@ -68,16 +68,21 @@ class Qwen3HFCheckpointer:
         for stale in (partial, replaced):
             shutil.rmtree(stale, ignore_errors=True)
         state = state_dict[MODEL_KEY]
-        if self.native:
-            state = split_moe_experts({k: v for k, v in state.items()
-                                       if not (self.tied and k == "lm_head.weight")})
+        state = split_moe_experts(state) if self.native else ours_to_hf(state)
+        head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+        tied = self.tied and (head is None or (embed is not None and torch.equal(head, embed)))
+        if tied:  # the file holds the shared embedding once, as transformers writes it
+            state.pop("lm_head.weight", None)
+        elif self.tied:  # a model untied from a tied checkpoint: its trained head is kept
+            log.warning("the model's LM head differs from its embedding, but %s/config.json "
+                        "ties them: saved with tie_word_embeddings=false", self.checkpoint_dir)
         try:
-            path = write_hf_state(state, partial, rename=not self.native)
+            path = write_hf_state(state, partial, rename=False)
             for src in self.checkpoint_dir.iterdir():  # config, generation config, tokenizer
                 if src.is_file() and not src.name.startswith("model") and src.suffix in (
                         ".json", ".txt", ".model", ".jinja"):
                     shutil.copy2(src, partial / src.name)
-            _set_saved_dtype(partial / "config.json", state)
+            _set_saved_config(partial / "config.json", state, tied=tied)
             sync(partial)  # on the disk before it takes the final name
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: no partial left
             raise write_failed(folder, partial, e) from e
@@ -91,16 +96,18 @@ class Qwen3HFCheckpointer:
         return folder
 
 
-def _set_saved_dtype(config: Path, state: dict) -> None:
+def _set_saved_config(config: Path, state: dict, *, tied: bool) -> None:
     """The copied config.json names the dtype the weights were saved in (a bf16 source trained
-    and saved in fp32 would otherwise be loaded by from_pretrained() in bf16, rounded)."""
+    and saved in fp32 would otherwise be loaded by from_pretrained() in bf16, rounded) and
+    whether they are tied (transformers would tie a saved, trained head back to the embedding)."""
     if not config.is_file():
         return
-    dtypes = {v.dtype for v in state.values() if torch.is_floating_point(v)}
-    if len(dtypes) != 1:
-        return
     cfg = json.loads(config.read_text())
-    name = str(dtypes.pop()).removeprefix("torch.")
-    for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
-        cfg[key] = name
+    if cfg.get("tie_word_embeddings", False) and not tied:
+        cfg["tie_word_embeddings"] = False
+    dtypes = {v.dtype for v in state.values() if torch.is_floating_point(v)}
+    if len(dtypes) == 1:
+        name = str(dtypes.pop()).removeprefix("torch.")
+        for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+            cfg[key] = name
     config.write_text(json.dumps(cfg, indent=2))

@@ -61,8 +61,10 @@ def check_tied_head(state: dict) -> None:
     if head is not None and embed is not None and not torch.equal(head, embed):
         raise ValueError("the checkpoint's lm_head.weight differs from its "
                          "model.embed_tokens.weight, but the model ties them "
-                         "(tie_word_embeddings=True): build it with "
-                         "tie_word_embeddings=False to keep the trained LM head")
+                         "(tie_word_embeddings=True): to keep the trained LM head, build it "
+                         "with tie_word_embeddings=False (with Qwen3HFCheckpointer, which "
+                         "reads the tying from config.json: set \"tie_word_embeddings\": "
+                         "false there)")
 
 
 def ours_to_hf(state: dict) -> dict:
@@ -74,6 +76,10 @@ def _rope_theta(cfg: dict) -> float:
     (unscaled) rope type is supported. rope_scaling, where present, wins over rope_parameters
     as in transformers; without either, transformers' default theta (10,000)."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        # transformers' Qwen3 reads one rope_parameters dict; per-layer-type ones fail there
+        raise ValueError(f"rope parameters per layer type ({sorted(params)}) are not a Qwen3 "
+                         f"config: give one dict with rope_type and rope_theta")
     kinds = rope_types(cfg)
     if kinds != {"default"}:
         kind = sorted(kinds - {"default"})[0]
@@ -90,7 +96,7 @@ def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
     cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
     _check_dense_qwen3(cfg, path)
     kw = dict(vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
-              num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+              num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"] or cfg["num_attention_heads"],
               embed_dim=cfg["hidden_size"], intermediate_dim=cfg["intermediate_size"],
               head_dim=cfg.get("head_dim") or 128,  # Qwen3Config's default, not hidden / heads
               max_seq_len=cfg.get("max_position_embeddings", 32768),  # Qwen3Config's default

@@ -189,3 +189,70 @@ def test_non_default_rope_theta_eps_and_context_are_read(tmp_path):
         ref = hf(input_ids=tokens, position_ids=pos, use_cache=False).logits
         got = ours(tokens, input_pos=pos)
     assert rel_err(got, ref) < 1e-5
+
+
+def test_a_moe_model_untied_from_a_tied_checkpoint_saves_its_trained_head(tmp_path):
+    # the export once dropped lm_head.weight because the source config.json ties them, and
+    # copied that config: transformers then tied the trained head back to the embedding
+    from dualkv_compile.models import qwen3_moe_from_hf_config
+
+    source = _moe_checkpoint(tmp_path / "src", tied=True)
+    ck = Qwen3HFCheckpointer(str(source), str(tmp_path / "out"))
+    model = qwen3_moe_from_hf_config(source, tie_word_embeddings=False)
+    model.load_state_dict(ck.load_checkpoint()["model"], strict=True)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # trained apart from the embedding
+    folder = ck.save_checkpoint({"model": model.state_dict()}, epoch=1)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    back = tf.Qwen3MoeForCausalLM.from_pretrained(folder)
+    assert torch.equal(back.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(back.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_a_tied_moe_model_saves_its_embedding_once_and_stays_tied(tmp_path):
+    from dualkv_compile.models import qwen3_moe_from_hf_config
+
+    source = _moe_checkpoint(tmp_path / "src", tied=True)
+    ck = Qwen3HFCheckpointer(str(source), str(tmp_path / "out"))
+    model = qwen3_moe_from_hf_config(source)
+    model.load_state_dict(ck.load_checkpoint()["model"], strict=True)
+    folder = ck.save_checkpoint({"model": model.state_dict()}, epoch=1)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in read_hf_state(folder)
+
+
+def test_a_null_kv_head_count_means_one_per_query_head(tmp_path):
+    _dense_config(tmp_path)
+    model = qwen3_from_hf_config(_null_field(tmp_path, "num_key_value_heads"))
+    assert model.layers[0].attn.num_kv_heads == tf.Qwen3Config.from_pretrained(
+        tmp_path).num_key_value_heads == 6
+
+
+def _null_field(tmp_path, key):
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[key] = None
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("max_window_layers,refused", [(1, True), (2, False), (28, False)])
+def test_sliding_layers_are_those_transformers_makes(tmp_path, max_window_layers, refused):
+    # without layer_types, transformers slides only from layer max_window_layers on
+    path = _dense_config(tmp_path, num_hidden_layers=2, layer_types=None,
+                         use_sliding_window=True, sliding_window=8,
+                         max_window_layers=max_window_layers)
+    kinds = tf.Qwen3Config.from_pretrained(path).layer_types
+    assert ("sliding_attention" in kinds) == refused
+    if refused:
+        with pytest.raises(ValueError, match="max_window_layers=1"):
+            qwen3_from_hf_config(path)
+    else:
+        assert len(qwen3_from_hf_config(path).layers) == 2
+
+
+def test_rope_parameters_per_layer_type_are_refused(tmp_path):
+    # read as a flat dict they fell back to theta 10,000 without a word
+    path = _dense_config(tmp_path, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    with pytest.raises(ValueError, match=r"rope parameters per layer type \(\['full_attention'\]\)"):
+        qwen3_from_hf_config(path)

@@ -101,7 +101,8 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
 
 @pytest.mark.parametrize("changes,message", [
     ({"model_type": "qwen3_moe"}, "model_type='qwen3_moe'.*qwen3_moe_from_hf_config"),
-    ({"use_sliding_window": True, "sliding_window": 4, "layer_types": None},
+    ({"use_sliding_window": True, "sliding_window": 4, "layer_types": None,
+      "max_window_layers": 1},
      "sliding-window attention"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window attention"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
