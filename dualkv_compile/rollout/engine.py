@@ -193,6 +193,11 @@ class RolloutEngine:
             c.done.zero_()
             c.out.fill_(pad_id)
             c.logprobs.zero_()  # columns after an early stop stay 0
+            if implementation != "triton":
+                # the math and flex paths meet a key past the current step with weight 0, and
+                # 0 * NaN = NaN: an earlier call's non-finite values must not reach this one
+                for v in c.resp_v:
+                    v.zero_()
             draw_noise(c.noise, gen)
             logits = logits.repeat_interleave(group_size, 0)
             first = sample(logits, c.noise, sampling)

@@ -10,7 +10,8 @@ removed since, and the engine then reads the model again.
 
 Supported: torchtune `TransformerDecoder`s of `TransformerSelfAttentionLayer`s with
 `MultiHeadAttention` (qwen2, llama3 builders) or our `Qwen3Attention`; transformers'
-Qwen3, Qwen2 and Llama causal LMs. Anything else is refused by name in `decoder_for`.
+Qwen3, Qwen2, Llama, Mistral (without a sliding window) and Qwen3-MoE causal LMs
+(`SUPPORTED_FAMILIES`). Anything else is refused by name in `decoder_for`.
 """
 
 from __future__ import annotations

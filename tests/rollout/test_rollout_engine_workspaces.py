@@ -1,7 +1,7 @@
 """The rollout engine's prompt cache on CPU in float64: how many splits the prompt keys take and
 the prompt buckets' padding, and the held workspaces (cache, compiled step, graphs): reused by a
 call whose prompts fit, released, and kept for calls alternating between two shapes, each call
-sampling what the uncached sampler samples."""
+sampling what the uncached sampler samples; no call's non-finite values reach the next."""
 
 import pytest
 import torch
@@ -84,3 +84,27 @@ def test_calls_alternating_between_two_shapes_keep_both_workspaces(max_workspace
     assert engine.kv_bytes() == sum(c.kv_bytes() for c in caches.values())
     engine.release()
     assert not engine._held and engine.kv_bytes() == 0
+
+
+@pytest.mark.parametrize("attention", ["math", "flex"])
+def test_a_non_finite_call_does_not_reach_the_next_one(attention):
+    # a reused workspace held the earlier call's response values past the current step, which
+    # the math and flex paths meet with weight 0: one NaN update made every later call NaN
+    model = model_of("qwen3", seed=4)
+    kw = dict(group_size=2, max_generated_tokens=6, pad_id=PAD, stop_tokens=EOS,
+              return_logprobs=True)
+    prompts = ragged_prompts(groups=2, width=12)
+    engine = RolloutEngine(model, attention=attention)
+    weight = next(p for n, p in model.named_parameters() if "v_proj" in n)
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")  # a diverged update
+    engine.generate(prompts, rng=torch.Generator().manual_seed(0), **kw)
+    with torch.no_grad():
+        weight.copy_(saved)
+    tokens, logprobs = engine.generate(prompts, rng=torch.Generator().manual_seed(1), **kw)
+    fresh, fresh_lp = RolloutEngine(model, attention=attention).generate(
+        prompts, rng=torch.Generator().manual_seed(1), **kw)
+    assert engine.stats["workspaces"] == 1  # the second call reused the first one's cache
+    assert torch.equal(tokens, fresh) and torch.equal(logprobs, fresh_lp)
+    assert not logprobs.isnan().any()
