@@ -3,8 +3,8 @@
 Each line: {"question": "...", "answer": "42"} (the answer may carry GSM8K's "#### 42" form,
 MATH's \\boxed{...}, or be a JSON number; a line whose answer is not one number, such as
 "\\sqrt{2}", is refused). Reward 1 when the response's number (final_number: the last
-\\boxed{} if any, which must hold one number, else the last number) equals the answer's as a
-value ("10.00" matches "10", "0.5" matches "1/2" and "\\frac{1}{2}"), else 0.
+\\boxed{} if any, which must hold one number, else the number on GSM8K's "####" line, else the
+last number) equals the answer's as a value ("10.00" matches "10", "0.5" matches "1/2" and "\\frac{1}{2}"), else 0.
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ _NUMBER = re.compile(r"(?:(?<!\w)[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(
 # LaTeX fractions, as MATH writes answers: \frac{3}{4}, \dfrac{-1}{2}, \tfrac, -\frac{3}{4},
 # and the brace-free \frac12 (each argument in braces or one digit)
 _MAX_EXPONENT = 100
-_LATEX_FRACTION = re.compile(r"([-\u2212]\s*)?\\[dt]?frac\s*(?:\{\s*([^{}]*?)\s*\}|(\d))"
-                             r"\s*(?:\{\s*([^{}]*?)\s*\}|(\d))")
+# (an argument's spaces are stripped after the match: "\{\s*([^{}]*?)\s*\}" backtracked in
+# quadratic time over the spaces of an unclosed brace)
+_LATEX_FRACTION = re.compile(r"([-\u2212]\s*)?\\[dt]?frac\s*(?:\{([^{}]*)\}|(\d))"
+                             r"\s*(?:\{([^{}]*)\}|(\d))")
 _PLAIN = re.compile(r"[-\u2212]?[\d.,]+")
 # what a boxed number may carry besides it: spacing, sizing, $, %, degrees, a unit in \text{}
-_DECORATION = re.compile(r"\\(?:left|right|[,;: ])|\\?[$%]|\^\{?\\circ\}?|"
-                         r"\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*\}")
+# (squared or cubed: "25\text{ cm}^2")
+_DECORATION = re.compile(r"\\(?:left|right|[,;: ])|\\?[$%]|\^\{?\\circ\}?|\u00b0|\\degree\b|"
+                         r"\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*\}(?:\^\{?\d\}?)?")
 _MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
 # the whole part of a mixed number in running text: an integer standing alone (after a space,
 # a line break or the start; not a time's "10:30", a ratio's "3:1", a date's "10-05" or an
@@ -52,7 +55,11 @@ _SPACED_THOUSANDS = re.compile(r"[-\u2212]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
 def _fraction(m: re.Match) -> str:
     """A LaTeX fraction of two plain numbers as "a/b" (spaced, signs combined); anything else
     unchanged."""
-    sign, num, den = m.group(1), m.group(2) or m.group(3), m.group(4) or m.group(5)
+    sign = m.group(1)
+    num = (m.group(2) if m.group(2) is not None else m.group(3)).strip()
+    den = (m.group(4) if m.group(4) is not None else m.group(5)).strip()
+    if not (num and den):  # \frac{}{2}
+        return m.group(0)
     if not (_PLAIN.fullmatch(num) and _PLAIN.fullmatch(den)) or den[0] in "-\u2212":
         return m.group(0)
     if sign:
@@ -76,8 +83,8 @@ def _last_boxed(text: str) -> str | None:
 def _value(token: str) -> str | None:
     """A number token's value as a reduced fraction string, or None (a zero denominator, an
     exponent past +-100, which would take unbounded time)."""
-    exponent = token.lower().partition("e")[2]
-    if exponent and abs(int(exponent)) > _MAX_EXPONENT:
+    exponent = token.lower().partition("e")[2].lstrip("+-").lstrip("0")
+    if exponent and (len(exponent) > 3 or int(exponent) > _MAX_EXPONENT):
         return None
     try:
         return str(Fraction(token.replace("\u2212", "-").replace(",", "")))
@@ -96,7 +103,10 @@ def _boxed_number(boxed: str) -> str | None:
     mixed = _MIXED.fullmatch(text)
     if mixed:
         sign, whole, num, den = mixed.groups()
-        value = int(whole) + Fraction(int(num), int(den)) if int(den) else None
+        try:  # past Python's 4300-digit limit for int(): no number to compare
+            value = int(whole) + Fraction(int(num), int(den)) if int(den) else None
+        except ValueError:
+            return None
         return None if value is None else str(-value if sign else value)
     if _SPACED_THOUSANDS.fullmatch(text):  # 1 000 000, 1\\,000
         text = text.replace(" ", "")
@@ -105,15 +115,25 @@ def _boxed_number(boxed: str) -> str | None:
 
 def final_number(text: str) -> str | None:
     """The answer's number in `text`: the last \\boxed{...} if there is one (None unless it
-    holds one number: a box of \\sqrt{2} is not the answer 2), else after GSM8K's "####" if
-    present, the last number; as its value written one way: an integer ("1,200.0" -> "1200",
+    holds one number: a box of \\sqrt{2} is not the answer 2), else the last number on the
+    line of GSM8K's last "####" if it holds one (a Markdown "#### Summary" heading does not),
+    else the last number; as its value written one way: an integer ("1,200.0" -> "1200",
     "10.00" -> "10", "3.14e2" -> "314") or a reduced fraction ("0.75", "3/4" and
     "\\frac{3}{4}" -> "3/4", "-.5" -> "-1/2", the mixed number "1 1/2" -> "3/2"), so that
     equal values compare equal as strings."""
-    text = text.split("####")[-1]
     boxed = _last_boxed(text)
     if boxed is not None:
         return _boxed_number(boxed)
+    mark = text.rfind("####")
+    if mark >= 0:
+        value = _last_number(text[mark + 4:].split("\n", 1)[0])
+        if value is not None:
+            return value
+    return _last_number(text)
+
+
+def _last_number(text: str) -> str | None:
+    """The value of the last number in running text (final_number's rule without boxes)."""
     text = _LATEX_FRACTION.sub(_fraction, text)
     for m in reversed(list(_NUMBER.finditer(text))):
         value = _value(m.group(0))  # "3/0" is no number: take the one before it
@@ -157,15 +177,26 @@ class MathJSONLTask(SeededTask):
                  prompt_template: str = "{question}\nAnswer:", seed: int = 0):
         super().__init__(seed)
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"dataset {path} is a directory; path= takes a JSONL file")
         if not path.is_file():
             raise FileNotFoundError(f"dataset {path} does not exist")
         _check_template(prompt_template)
         self.questions, self.answers = [], []
         raw = path.read_bytes()
         self.fingerprint = hashlib.sha256(raw).hexdigest()  # a resume compares it
+        for magic, kind in ((b"\x1f\x8b", "gzip-compressed"), (b"PAR1", "a Parquet file")):
+            if raw.startswith(magic):
+                raise ValueError(f"dataset {path} is {kind}; MathJSONLTask reads plain UTF-8 "
+                                 f"JSONL (one JSON object a line)")
         # JSON lines end at "\n" only: str.splitlines() also breaks at U+2028 and U+0085,
         # which json.dumps(ensure_ascii=False) leaves inside strings
-        for n, line in enumerate(raw.decode().split("\n"), 1):
+        for n, line in enumerate(raw.split(b"\n"), 1):
+            try:  # a byte-order mark on the first line is dropped
+                line = line.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n} is not UTF-8 ({e.reason} at byte {e.start} of "
+                                 f"the line)") from None
             if line.strip():
                 try:
                     row = json.loads(line)

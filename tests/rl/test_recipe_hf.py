@@ -358,6 +358,30 @@ def test_dataset_values_are_read_as_written(tmp_path, checkpoint):
         MathJSONLTask(tok, path=_dataset(tmp_path, {"question": None, "answer": "1"}))
 
 
+@pytest.mark.parametrize("content,message", [
+    (b"\x1f\x8b\x08\x00rest", "is gzip-compressed; MathJSONLTask reads plain UTF-8 JSONL"),
+    (b"PAR1rest", "is a Parquet file"),
+    (b'{"question": "1+1?", "answer": "2"}\n{"question": "caf\xe9?", "answer": "1"}\n',
+     r"data.jsonl:2 is not UTF-8 \(invalid continuation byte at byte 17 of the line\)"),
+])
+def test_a_dataset_that_is_not_utf8_jsonl_is_named(tmp_path, checkpoint, content, message):
+    # a UnicodeDecodeError with a byte offset, naming neither the file nor the line
+    folder, _ = checkpoint
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        MathJSONLTask(HFTokenizer(str(folder)), path=str(data))
+
+
+def test_a_byte_order_mark_and_a_directory(tmp_path, checkpoint):
+    folder, _ = checkpoint
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b'\xef\xbb\xbf{"question": "1+1?", "answer": "2"}\n')  # was refused
+    assert MathJSONLTask(HFTokenizer(str(folder)), path=str(data)).answers == ["2"]
+    with pytest.raises(IsADirectoryError, match="is a directory; path= takes a JSONL file"):
+        MathJSONLTask(HFTokenizer(str(folder)), path=str(tmp_path))  # said "does not exist"
+
+
 def test_bos_is_added_where_the_tokenizer_adds_it(tmp_path, checkpoint):
     from tokenizers import processors
 
