@@ -4,7 +4,8 @@ Each line: {"question": "...", "answer": "42"} (the answer may carry GSM8K's "##
 MATH's \\boxed{...}, or be a JSON number; a line whose answer is not one number, such as
 "\\sqrt{2}", is refused). Reward 1 when the response's number (final_number: the last
 \\boxed{} if any, which must hold one number, else the number on GSM8K's "####" line, else the
-last number) equals the answer's as a value ("10.00" matches "10", "0.5" matches "1/2" and "\\frac{1}{2}"), else 0.
+last number) equals the answer's as a value ("10.00" matches "10", "0.5" matches "1/2" and
+"\\frac{1}{2}"), else 0.
 """
 
 from __future__ import annotations
