@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["REWRITTEN", "Refusal", "arg_of", "eliminate_dead_code", "example", "may_write",
-           "op_name", "source_line", "pass_uuid"]
+           "op_name", "source_line", "pass_uuid", "storage", "written_memory"]
 
 
 class Refusal(Exception):
@@ -56,12 +56,13 @@ def arg_of(node: fx.Node, pos: int, keys, default=None):
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift}
+                      operator.irshift, operator.setitem}  # x[i] = y writes into x
 
 
 def may_write(node: fx.Node) -> bool:
     """Conservatively: `node` may write into one of its inputs or into an `out=` tensor
-    (x.mul_(), x += y, torch.relu_, F.relu(x, inplace=True), torch._foreach_copy_, ...)."""
+    (x.mul_(), x += y, x[i] = y, torch.relu_, F.relu(x, inplace=True), torch._foreach_copy_,
+    ...)."""
     if node.op not in ("call_method", "call_function"):
         return False
     if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or _inplace_flag(node):
@@ -91,7 +92,7 @@ def _inplace_flag(node: fx.Node) -> bool:
     return bound.get("inplace", False) is not False
 
 
-def _storage(node) -> int | None:
+def storage(node) -> int | None:
     """An id of the memory the fake value of `node` lives in (views share it), or None."""
     value = example(node)
     if not isinstance(value, Tensor):
@@ -110,7 +111,7 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
     when that memory is unknown; writes into memory no kept op reads (the model's own mask
     code, which the attention rewrite made dead) go with the rest."""
     nodes = list(graph.nodes)
-    memory = {node: _storage(node) for node in nodes}
+    memory = {node: storage(node) for node in nodes}
     writes: dict[int | None, list[fx.Node]] = {}  # memory -> the ops writing into it
     for node in nodes:
         if may_write(node):
@@ -135,6 +136,15 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
             graph.erase_node(node)
             erased += 1
     return erased
+
+
+def written_memory(node: fx.Node) -> set[int | None]:
+    """The memory an op that may write in place (may_write) writes into: that of each tensor in
+    its target (out=, else its first argument), None for a tensor whose memory is unknown."""
+    target = node.kwargs.get("out", node.args[0] if node.args else None)
+    targets: list[fx.Node] = []
+    fx.node.map_arg(target, targets.append)  # one tensor, or a list of them (_foreach_*_)
+    return {storage(t) for t in targets if isinstance(example(t), Tensor)}
 
 
 def source_line(node: fx.Node) -> str:

@@ -9,7 +9,8 @@ depend on nothing but the positions, the layout tables, constants and buffers th
 gradient, and that feed an op which depends on more than that. It routes each of them through
 `dualkv::materialize`, an opaque copy that Inductor cannot inline, so the consumers load the
 values instead of recomputing them. The values are unchanged: the pass only decides where
-they are computed.
+they are computed. A tensor that the graph writes into in place, through any alias, is left
+alone: a copy taken before the write would miss it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import example, op_name
+from ._common import example, may_write, op_name, storage, written_memory
 
 __all__ = ["materialize_position_tables"]
 
@@ -120,10 +121,20 @@ def _stored_source(node: fx.Node, only: set[fx.Node]) -> fx.Node:
     return node
 
 
+def _written(node: fx.Node, written: set) -> bool:
+    """The memory of `node` may be written in place (`written`: the memory the graph's in-place
+    ops write into, None where unknown)."""
+    memory = storage(node)
+    return memory is None or None in written or memory in written
+
+
 def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
     """Route each position-only float tensor that feeds other work (or the tensor it is a view
     of) through dualkv::materialize. Returns how many tensors are now stored."""
     only = _position_only(graph, activations)
+    # the memory written in place: a stored copy of a tensor living there would go stale
+    # (alias = cos.to(cos.dtype) or cos.detach() is cos's memory; alias.mul_(2) changes cos)
+    written = {m for node in graph.nodes if may_write(node) for m in written_memory(node)}
     tokens = example(activations).shape[1]  # tokens [1, T] or a layer's hidden states [1, T, d]
     sources: list[fx.Node] = []
     for node in graph.nodes:
@@ -131,7 +142,7 @@ def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
                 and any(u not in only and u.op != "output" for u in node.users)):
             source = _stored_source(node, only)
             if (source.op not in ("placeholder", "get_attr") and source not in sources
-                    and not _aliases_graph_input(source)):
+                    and not _aliases_graph_input(source) and not _written(source, written)):
                 sources.append(source)
     routed = 0
     for source in sources:

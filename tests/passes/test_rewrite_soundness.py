@@ -1,7 +1,8 @@
 """The passes beside the locality proof, against models that once got a wrong result without a
 refusal (CPU, float64): attention whose head counts broadcast (a query head against repeated
-keys, keys and values of different head counts), an in-place forward hook on the LM head, and
-a buffer seen through a no-op cast while the forward updates it in place."""
+keys, keys and values of different head counts), an in-place forward hook on the LM head,
+a buffer seen through a no-op cast while the forward updates it in place, and a position table
+written through an alias."""
 
 import pytest
 import torch
@@ -100,6 +101,76 @@ def test_a_buffer_seen_through_a_no_op_cast_keeps_its_updates():
     # the position-table pass stored t as a copy, which missed buf's in-place update (0.149)
     model = same_dtype_numerics(tiny_model("qwen2_5")).double()
     model.layers[0].mlp = _BufferSeenThroughCast(model.layers[0].mlp)
+    tokens, mask, p = batch()
+    with torch.no_grad():
+        ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert (ours - theirs).abs().max() < 1e-10
+
+
+class _TableWrittenThroughAlias(torch.nn.Module):
+    """torchtune attention fed x scaled by a RoPE-like cos of the positions, which the forward
+    writes into through an alias (`alias`: the same memory) between two reads."""
+
+    def __init__(self, attn, alias, write):
+        super().__init__()
+        self.a, self.alias, self.write, self.cache_enabled, self.kv_cache = (
+            attn, alias, write, False, None)
+
+    def forward(self, x, y=None, *, mask=None, input_pos=None, **kwargs):
+        freq = torch.linspace(0.01, 1.0, x.shape[-1], dtype=x.dtype)
+        cos = (input_pos[..., None].to(x.dtype) * freq).cos()  # [b, s, 32], positions only
+        table = self.alias(cos)
+        h = x * table
+        self.write(table)  # writes into cos too
+        return self.a(h + x * cos, y, mask=mask, input_pos=input_pos, **kwargs)
+
+
+def _to_same_dtype(t):
+    return t.to(t.dtype)
+
+
+def _double(t):
+    t.mul_(2.0)
+
+
+@pytest.mark.parametrize(("alias", "write"), [(_to_same_dtype, _double),
+                                              (torch.Tensor.detach, _double),
+                                              (torch.Tensor.contiguous, _double)],
+                         ids=["to", "detach", "contiguous"])
+def test_a_position_table_written_through_an_alias_keeps_the_write(alias, write):
+    # the position-table pass stored cos and its alias each as a copy of its own: the write
+    # into the alias's copy never reached the later read of cos
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].attn = _TableWrittenThroughAlias(model.layers[0].attn, alias, write)
+    tokens, mask, p = batch()
+    with torch.no_grad():
+        ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert (ours - theirs).abs().max() < 1e-10
+
+
+class _ConstantTableWrittenThroughAlias(torch.nn.Module):
+    """A [32, 32] table built in the forward from no input, zeroed in part through a detached
+    alias between two products with the hidden states (an assignment, which may_write once
+    missed)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        d = x.shape[-1]
+        table = torch.linspace(-1.0, 1.0, d * d, dtype=x.dtype).view(d, d).cos() / d
+        alias = table.detach()
+        y = x + x @ alias
+        alias[0] = 0.0  # writes into table too
+        return self.inner(y + x @ table)
+
+
+def test_a_constant_table_assigned_through_an_alias_keeps_the_write():
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    model.layers[0].mlp = _ConstantTableWrittenThroughAlias(model.layers[0].mlp)
     tokens, mask, p = batch()
     with torch.no_grad():
         ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
