@@ -28,7 +28,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import (REWRITTEN, Refusal, arg_of, example, op_name, regions_ops,
+from ._common import (REWRITTEN, Refusal, arg_of, example, may_write, op_name, regions_ops,
                       source_line, token_local_ops)
 from ._locality_indexing import IndexingRules
 from ._locality_products import ProductRules
@@ -105,6 +105,11 @@ class _Proof(IndexingRules, ProductRules):
                 v = example(a)
                 d = found - (ndim - v.dim())
                 if d >= 0 and v.shape[d] != 1 and self.t > 1:
+                    if may_write(node) and a is node.args[0]:  # buf.add_(x), buf += x
+                        self.refuse(node, f"it writes token data in place into {a.name}, a "
+                                          f"tensor made without the tokens (e.g. a fresh "
+                                          f"torch.zeros(x.shape)), which the proof does not "
+                                          f"follow; compute the value out of place instead")
                     self.refuse(node, f"operand {a.name} has its own sequence axis of length "
                                       f"{v.shape[d]} (e.g. positions from arange); feed packed "
                                       f"positions instead")

@@ -264,14 +264,31 @@ def _out_write(x):
     return buf
 
 
+def _add_into_fresh_buffer(x):  # refused, once with a message about positions from arange
+    buf = torch.zeros(x.shape, dtype=x.dtype)
+    buf.add_(x)
+    return x + buf.mean(1, keepdim=True)
+
+
+def _iadd_into_fresh_buffer(x):
+    buf = torch.zeros(x.shape, dtype=x.dtype)
+    buf += x
+    return buf
+
+
 def _dropout_in_training(x):
     return torch.nn.functional.dropout(x, 0.1, training=True)
 
 
 @pytest.mark.parametrize("mix,match", [(_foreach_write, "token-local"),
                                        (_out_write, "token-local"),
+                                       (_add_into_fresh_buffer, "writes token data in place "
+                                                                "into buf, a tensor made "
+                                                                "without the tokens"),
+                                       (_iadd_into_fresh_buffer, "writes token data in place"),
                                        (_dropout_in_training, "share")],
-                         ids=["foreach_copy", "out_kwarg", "dropout"])
+                         ids=["foreach_copy", "out_kwarg", "add_into_fresh_buffer",
+                              "iadd_into_fresh_buffer", "dropout"])
 def test_writes_and_training_dropout_are_refused(mix, match):
     model, tokens, mask, p = _mixed_model(mix)
     with torch.no_grad(), pytest.raises(Refusal, match=match):
