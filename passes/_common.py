@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["REWRITTEN", "Refusal", "arg_of", "eliminate_dead_code", "example", "may_write",
-           "op_name", "source_line", "pass_uuid", "storage", "written_memory"]
+           "op_name", "source_line", "pass_uuid", "storage", "written"]
 
 
 class Refusal(Exception):
@@ -56,7 +56,7 @@ def arg_of(node: fx.Node, pos: int, keys, default=None):
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift, operator.setitem}  # x[i] = y writes into x
+                      operator.irshift}
 
 
 def may_write(node: fx.Node) -> bool:
@@ -68,7 +68,17 @@ def may_write(node: fx.Node) -> bool:
     if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or _inplace_flag(node):
         return True
     name = op_name(node)
-    return name.endswith("_") and not name.endswith("__")
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return name == "setitem"  # and_, or_, not_, is_ are the plain `&`, `|`, `not`, `is`
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+
+
+def written(node: fx.Node) -> list:
+    """The values an op that may write (may_write) writes into: its `out=` tensor(s), else its
+    first argument (a list of tensors for torch._foreach_*_)."""
+    target = node.kwargs.get("out", node.args[0] if node.args else None)
+    targets = list(target) if isinstance(target, (list, tuple)) else [target]
+    return [t for t in targets if isinstance(t, fx.Node)]  # a constant holds no graph memory
 
 
 def _inplace_flag(node: fx.Node) -> bool:
@@ -115,8 +125,8 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
     writes: dict[int | None, list[fx.Node]] = {}  # memory -> the ops writing into it
     for node in nodes:
         if may_write(node):
-            target = node.kwargs.get("out", node.args[0] if node.args else None)
-            writes.setdefault(memory.get(target), []).append(node)
+            for target in written(node):
+                writes.setdefault(memory.get(target), []).append(node)
     inputs = {memory[n] for n in nodes if n.op in ("placeholder", "get_attr")}
     stack = [n for n in nodes if n.op in ("placeholder", "output") or n.is_impure()]
     stack += [w for m, ws in writes.items() if m is None or m in inputs for w in ws]
@@ -136,15 +146,6 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
             graph.erase_node(node)
             erased += 1
     return erased
-
-
-def written_memory(node: fx.Node) -> set[int | None]:
-    """The memory an op that may write in place (may_write) writes into: that of each tensor in
-    its target (out=, else its first argument), None for a tensor whose memory is unknown."""
-    target = node.kwargs.get("out", node.args[0] if node.args else None)
-    targets: list[fx.Node] = []
-    fx.node.map_arg(target, targets.append)  # one tensor, or a list of them (_foreach_*_)
-    return {storage(t) for t in targets if isinstance(example(t), Tensor)}
 
 
 def source_line(node: fx.Node) -> str:

@@ -28,7 +28,8 @@ from dualkv_compile.attention.registry import attention_kernel
 from dualkv_compile.layout.inputs import ANCHOR
 from dualkv_compile.stats import counters, log_once
 
-from ._common import REWRITTEN, Refusal, eliminate_dead_code, example, source_line
+from ._common import (REWRITTEN, Refusal, eliminate_dead_code, example, may_write, op_name,
+                      source_line, storage, written)
 from .gqa_fold import erase_unused, fold_gqa_repeat
 
 __all__ = ["MASK_CHECK_MAX_LEN", "rewrite_attention", "find_anchor"]
@@ -89,14 +90,24 @@ def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None
     """A model-built mask is accepted only if it derives from positions and shapes alone, and
     is causal: evaluated for one row whose positions are 0..T-1, it must let each query see
     exactly the keys up to itself (a sliding window, an ALiBi bias or a bidirectional mask is
-    refused)."""
-    inputs = [a for a in _ancestors(mask) | {mask} if a.op == "placeholder"]
+    refused). A mask written in place is refused: the evaluation replays only the ops it is
+    computed from, so `m.logical_and_(window)` would be read as the causal `m`."""
+    needed = _ancestors(mask) | {mask}
+    inputs = [a for a in needed if a.op == "placeholder"]
     bad = [a for a in inputs if a is not positions]
     if bad:
         raise Refusal(
             f"attention at {source_line(node)} uses a mask computed from "
             f"{[a.name for a in bad]}, not from positions alone; only causal attention can be "
             f"rewritten to the shared-prefix layout"
+        )
+    writer = _writer_into(mask.graph, needed)
+    if writer is not None:
+        raise Refusal(
+            f"attention at {source_line(node)} uses a mask written in place ({op_name(writer)} "
+            f"at {source_line(writer)}); the check that it is causal replays only the ops the "
+            f"mask is computed from, not writes into it, so a window or bias written in place "
+            f"would be dropped; build the mask out of place (m = m & window)"
         )
     t = example(positions).shape[-1]
     if t > MASK_CHECK_MAX_LEN:
@@ -120,6 +131,20 @@ def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None
             f"to itself: a sliding window, a bias such as ALiBi, or bidirectional attention); "
             f"only causal attention can be rewritten to the shared-prefix layout"
         )
+
+
+def _writer_into(graph: fx.Graph, needed: set[fx.Node]) -> fx.Node | None:
+    """The first op of `graph` that may write into the memory of a value in `needed` (the mask
+    and the values it is computed from; a view shares its base's memory); None if there is
+    none. Such a write is a user of the value, not one of the ops the mask is computed from,
+    wherever it stands in the graph. Memory that cannot be named may be any: a write into it,
+    or any write while a tensor in `needed` has such memory, counts."""
+    memory = {storage(n) for n in needed} | {None}  # None: memory not named, which may be any
+    unknown = any(isinstance(example(n), Tensor) and storage(n) is None for n in needed)
+    for n in graph.nodes:
+        if may_write(n) and (unknown or any(storage(t) in memory for t in written(n))):
+            return n
+    return None
 
 
 def _evaluate_mask(mask: fx.Node, positions: fx.Node):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dualkv_compile.stats import counters
 
-from ._common import example, may_write, op_name, storage, written_memory
+from ._common import example, may_write, op_name, storage, written
 
 __all__ = ["materialize_position_tables"]
 
@@ -121,11 +121,11 @@ def _stored_source(node: fx.Node, only: set[fx.Node]) -> fx.Node:
     return node
 
 
-def _written(node: fx.Node, written: set) -> bool:
-    """The memory of `node` may be written in place (`written`: the memory the graph's in-place
-    ops write into, None where unknown)."""
+def _written(node: fx.Node, written_into: set) -> bool:
+    """The memory of `node` may be written in place (`written_into`: the memory the graph's
+    in-place ops write into, None where unknown)."""
     memory = storage(node)
-    return memory is None or None in written or memory in written
+    return memory is None or None in written_into or memory in written_into
 
 
 def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
@@ -134,7 +134,7 @@ def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
     only = _position_only(graph, activations)
     # the memory written in place: a stored copy of a tensor living there would go stale
     # (alias = cos.to(cos.dtype) or cos.detach() is cos's memory; alias.mul_(2) changes cos)
-    written = {m for node in graph.nodes if may_write(node) for m in written_memory(node)}
+    written_into = {storage(t) for node in graph.nodes if may_write(node) for t in written(node)}
     tokens = example(activations).shape[1]  # tokens [1, T] or a layer's hidden states [1, T, d]
     sources: list[fx.Node] = []
     for node in graph.nodes:
@@ -142,7 +142,7 @@ def materialize_position_tables(graph: fx.Graph, activations: fx.Node) -> int:
                 and any(u not in only and u.op != "output" for u in node.users)):
             source = _stored_source(node, only)
             if (source.op not in ("placeholder", "get_attr") and source not in sources
-                    and not _aliases_graph_input(source) and not _written(source, written)):
+                    and not _aliases_graph_input(source) and not _written(source, written_into)):
                 sources.append(source)
     routed = 0
     for source in sources:

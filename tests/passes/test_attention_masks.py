@@ -1,7 +1,9 @@
 """Attention the rewrite must not take for causal: a mask the model builds from positions is
 rewritten only if it is causal (a sliding window, an ALiBi bias or bidirectional attention each
-once became the causal shared-prefix mask without a word), and a flex_attention call of the
-model's own is refused (it once ran over the whole packed sequence)."""
+once became the causal shared-prefix mask without a word), a mask written in place is refused
+(the check once read it as first built, so a window or bias written in place was dropped), and
+a flex_attention call of the model's own is refused (it once ran over the whole packed
+sequence)."""
 
 import pytest
 import torch
@@ -26,8 +28,32 @@ def _mask(kind, input_pos, s, dtype):
         return ((d >= 0) & (d < 3))[:, None]
     if kind == "alibi":
         return torch.where(d >= 0, -0.5 * d.to(dtype), float("-inf"))[:, None]
-    assert kind == "bidirectional"
-    return torch.ones(s, s, dtype=torch.bool)
+    if kind == "bidirectional":
+        return torch.ones(s, s, dtype=torch.bool)
+    return _mask_in_place(kind, input_pos[0], s, dtype)
+
+
+def _mask_in_place(kind, i, s, dtype):
+    """A causal [s, s] mask for the positions i [s] made non-causal by an in-place statement."""
+    if kind == "setitem_from_arange":
+        i = torch.arange(s)
+    d = i[:, None] - i[None, :]
+    if kind == "ancestor_in_place":
+        d.abs_()  # d >= 0 is then True everywhere: bidirectional
+    m = d >= 0
+    if kind == "window_in_place":
+        m.logical_and_(d < 3)
+    elif kind == "tril_in_place":  # drops the first subdiagonal
+        m.tril_(-2)
+        m.fill_diagonal_(True)
+    elif kind == "setitem_from_arange":
+        m[1:, 0] = False  # later queries stop seeing the first key
+    elif kind == "alibi_in_place":
+        m = torch.where(m, 0.0, float("-inf")).to(dtype)
+        m.add_(-0.5 * d.to(dtype))
+    else:
+        assert kind == "ancestor_in_place"
+    return m
 
 
 class _OwnAttention(torch.nn.Module):
@@ -81,6 +107,16 @@ def test_a_causal_mask_built_from_positions_is_rewritten(kind):
 @pytest.mark.parametrize("kind", ["window", "window_from_arange", "alibi", "bidirectional"])
 def test_a_mask_that_is_not_causal_is_refused(kind):
     with pytest.raises(Refusal, match="mask built from positions that is not causal"):
+        _run(kind)
+
+
+@pytest.mark.parametrize("kind, op", [("window_in_place", "logical_and_"),
+                                      ("tril_in_place", "tril_"),
+                                      ("setitem_from_arange", "setitem"),
+                                      ("alibi_in_place", "add_"),
+                                      ("ancestor_in_place", "abs_")])
+def test_a_mask_written_in_place_is_refused(kind, op):
+    with pytest.raises(Refusal, match=rf"mask written in place \({op} at "):
         _run(kind)
 
 
