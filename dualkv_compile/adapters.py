@@ -75,17 +75,33 @@ def _own_class(module) -> type:
     return cls
 
 
+# the methods of a library's forward that dualkv replaces by running the model's parts itself:
+# torchtune's forward calls unembed (final norm and LM head), which calls chunked_output
+_LIBRARY_METHODS = {"torchtune": ("forward", "unembed", "chunked_output")}
+
+
 def check_library_forward(module, library: str, role: str) -> None:
     """dualkv runs `module`'s parts itself (its layers, norm and head), as `library`'s forward
-    does; a subclass whose forward does more would have that part silently skipped: refuse."""
+    does, and never calls the module: a subclass whose forward (or a method that forward calls)
+    does more, or a forward hook on the module, would be silently skipped: refuse."""
+    from .fsdp import foreign_hooks, hook_names
+
     cls = _own_class(module)
-    owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
-    if not owner.__module__.startswith(library + "."):
-        raise ValueError(f"{role} {cls.__name__} overrides forward "
-                         f"({owner.__module__}.{owner.__qualname__}.forward); dualkv runs its "
-                         f"embedding, layers, norm and LM head itself, as {library}'s forward "
-                         f"does, so that override would not run. Move the change into a module "
-                         f"the forward calls (a layer, the norm), or do not subclass")
+    for method in _LIBRARY_METHODS.get(library, ("forward",)):
+        owner = next((c for c in cls.__mro__ if method in c.__dict__), None)
+        if owner is not None and not owner.__module__.startswith(library + "."):
+            raise ValueError(f"{role} {cls.__name__} overrides {method} "
+                             f"({owner.__module__}.{owner.__qualname__}.{method}); dualkv runs "
+                             f"its embedding, layers, norm and LM head itself, as {library}'s "
+                             f"forward does, so that override would not run. Move the change "
+                             f"into a module the forward calls (a layer, the norm), or do not "
+                             f"subclass")
+    hooks = foreign_hooks(module)  # FSDP2's own are run by the wrapper (fsdp.run_as_forward)
+    if hooks:
+        raise ValueError(f"{role} {cls.__name__} has forward hooks or pre-hooks "
+                         f"({hook_names(hooks)}); dualkv runs its embedding, layers, norm and "
+                         f"LM head itself and never calls the module, so they would not run. "
+                         f"Remove them, or hook a module inside the model")
 
 
 def _check_head(weight_module, name: str) -> None:
@@ -113,11 +129,17 @@ _NORMS = {"torch.nn.modules.normalization.RMSNorm", "torch.nn.modules.normalizat
                                    ("qwen3_moe", "Qwen3Moe")))}
 
 
-def _check_outside_modules(embedding, norm) -> None:
+def _check_outside_modules(embedding, norm, head) -> None:
     """compile_region="layer" runs the embedding and the final norm eagerly on the packed
     tokens, outside the token-locality proof: allow only modules that are token-local as
-    written (an nn.Embedding, a known norm class), not subclasses or custom modules."""
+    written (an nn.Embedding, a known norm class), not subclasses or custom modules, and no
+    forward hooks on them. The LM head's hooks would run eagerly for logits and not at all for
+    response_logprobs (which applies the head's weight): refused too. The one hook allowed is
+    transformers' require-grads hook on the embedding, which both regions drop
+    (_embed_without_require_grads_hook)."""
     from dualkv_compile.passes._common import Refusal
+
+    from .fsdp import foreign_hooks, hook_names
 
     for role, module, allowed in (("embedding", embedding, {"torch.nn.modules.sparse.Embedding"}),
                                   ("final norm", norm, _NORMS)):
@@ -128,6 +150,20 @@ def _check_outside_modules(embedding, norm) -> None:
                           f"layers, where its locality is not proven, and allows only "
                           f"{sorted(allowed)} there; this model's is {kind}. Use "
                           f"compile_region='model' (one graph, every op proven)")
+    unproven = "where their locality is not proven"
+    for role, module, where in (
+            ("embedding", embedding, unproven), ("final norm", norm, unproven),
+            ("LM head", head, f"{unproven} for logits, and not at all for response_logprobs "
+                              f"(which applies the head's weight)")):
+        hooks = foreign_hooks(module) if isinstance(module, nn.Module) else []  # TiedLinear
+        hooks = [h for h in hooks if not (module is embedding and getattr(
+            h, "__name__", None) == _REQUIRE_GRADS_HOOK)]
+        if hooks:
+            raise Refusal(f"compile_region='layer' runs the model's {role} "
+                          f"({type(module).__name__}) eagerly outside the traced layers, so its "
+                          f"forward hooks or pre-hooks ({hook_names(hooks)}) would run {where}. "
+                          f"Remove them, or use compile_region='model' (one graph: the hooks "
+                          f"are traced and proven)")
 
 
 class _Torchtune:
@@ -169,7 +205,7 @@ class _Torchtune:
         return model.norm(hidden)
 
     def check_layer_region(self, model):
-        _check_outside_modules(model.tok_embeddings, model.norm)
+        _check_outside_modules(model.tok_embeddings, model.norm, model.output)
 
     def head(self, model, hidden):
         return model.output(hidden).float()
@@ -317,7 +353,8 @@ class _HuggingFace:
         return hf_decoder(model).norm(hidden)
 
     def check_layer_region(self, model):
-        _check_outside_modules(model.get_input_embeddings(), hf_decoder(model).norm)
+        _check_outside_modules(model.get_input_embeddings(), hf_decoder(model).norm,
+                               model.get_output_embeddings())
         check_library_forward(hf_decoder(model), "transformers",
                               "compile_region='layer' runs the decoder by layer:")
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 from torch import nn
 
-__all__ = ["is_sharded", "run_as_forward", "check_fsdp_layout"]
+__all__ = ["is_sharded", "run_as_forward", "check_fsdp_layout", "foreign_hooks", "hook_names"]
 
 
 def _fsdp_module_type():
@@ -31,6 +31,19 @@ def is_sharded(module: nn.Module) -> bool:
     """Whether `module` or any submodule was passed to fully_shard."""
     fsdp = _fsdp_module_type()
     return any(isinstance(m, fsdp) for m in module.modules())
+
+
+def foreign_hooks(module: nn.Module) -> list:
+    """`module`'s forward hooks and pre-hooks (with_kwargs ones too) other than its own FSDP2
+    state's: those that a caller of module.forward, or of the module's parts, skips."""
+    fsdp = _fsdp_module_type()
+    state = module._get_fsdp_state() if isinstance(module, fsdp) else None
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return [h for h in hooks if state is None or getattr(h, "__self__", None) is not state]
+
+
+def hook_names(hooks) -> str:
+    return ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
 
 
 def run_as_forward(module: nn.Module, fn: Callable, *args):
@@ -59,16 +72,13 @@ def check_fsdp_layout(model: nn.Module, layers) -> None:
                 f"entry of its layer list; optimize() drives FSDP2 when fully_shard is applied "
                 f"to each layer (after activation checkpointing) and then to the model")
     for i, layer in enumerate(layers):
-        state = layer._get_fsdp_state() if isinstance(layer, fsdp) else None
-        hooks = [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]
-        foreign = [h for h in hooks if getattr(h, "__self__", None) is not state or state is None]
+        foreign = foreign_hooks(layer)
         if foreign and all(getattr(h, "__qualname__", "").startswith("FSDPState.")
                            for h in foreign):
             raise ValueError(f"layer {i} carries the hooks of an FSDP unit that is not its "
                              f"own: the layers were sharded as one group (fully_shard of a "
                              f"list); call fully_shard on each layer separately")
         if foreign:
-            names = ", ".join(getattr(h, "__qualname__", repr(h)) for h in foreign)
-            raise ValueError(f"layer {i} has forward hooks ({names}); the layer-region path "
-                             f"calls layer.forward inside the compiled region and would skip "
-                             f"them")
+            raise ValueError(f"layer {i} has forward hooks ({hook_names(foreign)}); the "
+                             f"layer-region path calls layer.forward inside the compiled "
+                             f"region and would skip them")

@@ -145,8 +145,9 @@ class DualKVModel(nn.Module):
             from .fsdp import check_fsdp_layout
 
             check_fsdp_layout(self.model, self._adapter.layers(self.model))
-            self._adapter.check_layer_region(self.model)
             self._layout_checked = True
+        if region == "layer":  # at every call: a hook added since the first is named too
+            self._adapter.check_layer_region(self.model)
         return region
 
     def _compiled_call(self, mode: str, fn, device: torch.device):

@@ -241,3 +241,59 @@ def test_torchtune_mask_and_input_pos_are_accepted():
     with pytest.raises(ValueError, match=r"rows \[0\] of torchtune's mask .* pass padding_mask="):
         wrapper(tokens[:1], mask=get_causal_mask_from_padding_mask(lone),
                 input_pos=get_position_ids_from_padding_mask(lone), prompt_len=tokens.shape[1])
+
+
+def _softcap_unembed(model):
+    """The torchtune decoder as a subclass that soft-caps its logits in unembed, which
+    TransformerDecoder.forward calls for the final norm and the LM head."""
+    base = type(model)
+
+    def unembed(self, h):
+        return 3 * torch.tanh(base.unembed(self, h) / 3)
+
+    model.__class__ = type(f"Capped{base.__name__}", (base,), {"unembed": unembed})
+
+
+def _halve_logits(module, args, out):
+    if hasattr(out, "logits"):
+        out.logits = out.logits * 0.5
+        return out
+    return out * 0.5
+
+
+@pytest.mark.parametrize("family, change, match", [
+    ("llama3_2", _softcap_unembed, r"CappedTransformerDecoder overrides unembed"),
+    ("llama3_2", lambda m: m.register_forward_hook(_halve_logits),
+     r"TransformerDecoder has forward hooks or pre-hooks \(_halve_logits\)"),
+    ("llama3_2", lambda m: m.register_forward_pre_hook(lambda mod, a, kw: None, with_kwargs=True),
+     r"TransformerDecoder has forward hooks or pre-hooks \(.*<lambda>\)"),
+    ("hf_llama", lambda m: m.register_forward_hook(_halve_logits),
+     r"LlamaForCausalLM has forward hooks or pre-hooks \(_halve_logits\)"),
+], ids=["torchtune-unembed", "torchtune-hook", "torchtune-pre-hook-kwargs", "hf-hook"])
+@pytest.mark.parametrize("region", ["model", "layer"])
+def test_what_the_wrapper_never_calls_is_refused(family, change, match, region):
+    # the wrapper runs the model's parts, never its __call__ or torchtune's unembed: a
+    # soft-capping unembed (10 off) and forward hooks on the model (0.1-20 off) were skipped
+    # silently, in either region and in the rollout engine
+    model = same_dtype_numerics(tiny_model(family)).double()
+    change(model)
+    tokens, mask, p = mixed_batch()
+    with pytest.raises(ValueError, match=match + ".* would not run"):
+        dk.optimize(model, dk.DualKVConfig(compile_region=region))
+    with pytest.raises(ValueError, match=r"rollout engine cannot run .*" + match):
+        dk.rollout.RolloutEngine(model)
+
+
+def test_a_hook_on_the_transformers_decoder_runs_in_the_model_region_only():
+    # the model region calls the decoder (its hooks are traced); the layer region runs its
+    # layers one by one and would skip them
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    calls = []
+    model.get_decoder().register_forward_hook(lambda mod, args, out: calls.append(1))
+    tokens, mask, p = mixed_batch()
+    dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    assert calls
+    layer = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
+    with pytest.raises(ValueError, match=r"runs the decoder by layer: LlamaModel has forward "
+                                         r"hooks or pre-hooks \(.*<lambda>\)"):
+        layer.response_logprobs(tokens, prompt_len=p, padding_mask=mask)

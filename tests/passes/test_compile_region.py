@@ -138,3 +138,61 @@ def test_an_lm_head_that_is_not_a_plain_linear_is_refused():
     model.output = Scaled(emb.embedding_dim, emb.num_embeddings, bias=False)
     with pytest.raises(ValueError, match="must be an nn.Linear"):
         dk.optimize(model)
+
+
+def _mix_tokens(module, args, out):  # a forward hook over the sequence axis
+    return out - out.mean(1, keepdim=True)
+
+
+def _halve_input(module, args):  # a token-local pre-hook
+    return (args[0] * 0.5,)
+
+
+def _halve_output(module, args, out):
+    return out * 0.5
+
+
+@pytest.mark.parametrize("family", ["hf_llama", "llama3_2"])
+@pytest.mark.parametrize("part, register, model_region", [
+    ("embedding", lambda m: m.register_forward_hook(_mix_tokens), "cannot prove `mean`"),
+    ("final norm", lambda m: m.register_forward_hook(_mix_tokens), "cannot prove `mean`"),
+    ("LM head", lambda m: m.register_forward_pre_hook(_halve_input), None),
+    ("LM head", lambda m: m.register_forward_hook(_halve_output), "not produced by a linear"),
+], ids=["embedding", "final-norm", "head-pre-hook", "head-hook"])
+def test_layer_region_refuses_hooks_outside_the_layers(family, part, register, model_region):
+    # the layer region ran the embedding's and final norm's hooks eagerly, outside the proof
+    # (a token-mixing hook was taken, 0.2-20 off), and the LM head's for logits only:
+    # response_logprobs applies the head's weight, so a hook on the head was skipped (0.1 off).
+    # compile_region="model" traces them: it refuses the mixing and post hooks by their op and
+    # keeps the pre-hook exact
+    model = same_dtype_numerics(tiny_model(family)).double()
+    hf = hasattr(model, "get_decoder")
+    if not hf:  # an untied head (the tiny builder ties it) that can carry hooks
+        model.output = torch.nn.Linear(32, 101, bias=False, dtype=torch.float64)
+    module = {"embedding": model.get_input_embeddings() if hf else model.tok_embeddings,
+              "final norm": (model.get_decoder() if hf else model).norm,
+              "LM head": model.get_output_embeddings() if hf else model.output}[part]
+    register(module)
+    tokens, mask, p = mixed_batch()
+    layer = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
+    with pytest.raises(dk.Refusal, match=rf"runs the model's {part} .* forward hooks or "
+                                         rf"pre-hooks \(_(mix_tokens|halve_\w+)\)"):
+        layer.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    whole = dk.optimize(model, dk.DualKVConfig(compile_region="model"))
+    if model_region is not None:
+        with pytest.raises(dk.Refusal, match=model_region):
+            whole.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+        return
+    lp = whole.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    ref = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert rel_err(lp, ref) < (TOL if hf else 1e-6)  # torchtune's reference: float32 logits
+
+
+def test_a_hook_added_after_the_first_call_is_refused_too():
+    model = tiny_model("qwen2_5")
+    wrapper = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
+    tokens, mask, p = mixed_batch()
+    wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    model.norm.register_forward_hook(_mix_tokens)
+    with pytest.raises(dk.Refusal, match=r"final norm .* \(_mix_tokens\)"):
+        wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
