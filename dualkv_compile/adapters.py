@@ -7,14 +7,13 @@ import torch
 from torch import Tensor, nn
 
 from .hf_config import SEQUENCE_DEPENDENT_ROPE, rope_types, sliding_window
+from .module_checks import (REQUIRE_GRADS_HOOK, check_head_hooks, check_library_forward,
+                            check_outside_modules, own_class)
 
-__all__ = ["HF_FAMILIES", "adapter_for", "check_library_forward", "has_dropout", "hf_decoder",
-           "token_vocabulary", "torchtune_head_weight"]
+__all__ = ["HF_FAMILIES", "adapter_for", "has_dropout", "hf_decoder", "token_vocabulary",
+           "torchtune_head_weight"]
 
 
-# the name of the hook transformers' enable_input_require_grads() registers (a local function;
-# its handles cannot be read inside a traced function)
-_REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
 _TIED_LINEAR = "torchtune.modules.tied_linear.TiedLinear"
 
 
@@ -53,61 +52,21 @@ def _embed_without_require_grads_hook(model, tokens):
     The packed graph inlines the checkpoints, so that hook has nothing to do there."""
     embed = model.get_input_embeddings()
     hooks = list(embed._forward_hooks.values())
-    if (all(getattr(h, "__name__", None) != _REQUIRE_GRADS_HOOK for h in hooks)
+    if (all(getattr(h, "__name__", None) != REQUIRE_GRADS_HOOK for h in hooks)
             or embed._forward_pre_hooks or embed._forward_hooks_with_kwargs):
         return None
     out = embed.forward(tokens)
     for hook in hooks:
-        if getattr(hook, "__name__", None) != _REQUIRE_GRADS_HOOK:
+        if getattr(hook, "__name__", None) != REQUIRE_GRADS_HOOK:
             result = hook(embed, (tokens,), out)
             out = out if result is None else result
     return out
 
 
-def _own_class(module) -> type:
-    """The module's class; for a module fully_shard wrapped, the class it wrapped (FSDP2 makes
-    FSDP<Name>(FSDPModule, Name))."""
-    from .fsdp import _fsdp_module_type
-
-    cls, fsdp = type(module), _fsdp_module_type()
-    if isinstance(module, fsdp):
-        cls = next((b for b in cls.__bases__ if b is not fsdp), cls)
-    return cls
-
-
-# the methods of a library's forward that dualkv replaces by running the model's parts itself:
-# torchtune's forward calls unembed (final norm and LM head), which calls chunked_output
-_LIBRARY_METHODS = {"torchtune": ("forward", "unembed", "chunked_output")}
-
-
-def check_library_forward(module, library: str, role: str) -> None:
-    """dualkv runs `module`'s parts itself (its layers, norm and head), as `library`'s forward
-    does, and never calls the module: a subclass whose forward (or a method that forward calls)
-    does more, or a forward hook on the module, would be silently skipped: refuse."""
-    from .fsdp import foreign_hooks, hook_names
-
-    cls = _own_class(module)
-    for method in _LIBRARY_METHODS.get(library, ("forward",)):
-        owner = next((c for c in cls.__mro__ if method in c.__dict__), None)
-        if owner is not None and not owner.__module__.startswith(library + "."):
-            raise ValueError(f"{role} {cls.__name__} overrides {method} "
-                             f"({owner.__module__}.{owner.__qualname__}.{method}); dualkv runs "
-                             f"its embedding, layers, norm and LM head itself, as {library}'s "
-                             f"forward does, so that override would not run. Move the change "
-                             f"into a module the forward calls (a layer, the norm), or do not "
-                             f"subclass")
-    hooks = foreign_hooks(module)  # FSDP2's own are run by the wrapper (fsdp.run_as_forward)
-    if hooks:
-        raise ValueError(f"{role} {cls.__name__} has forward hooks or pre-hooks "
-                         f"({hook_names(hooks)}); dualkv runs its embedding, layers, norm and "
-                         f"LM head itself and never calls the module, so they would not run. "
-                         f"Remove them, or hook a module inside the model")
-
-
 def _check_head(weight_module, name: str) -> None:
     """response_logprobs applies the head's weight itself (lm_head/), so the head must be a
     plain linear map: nn.Linear or torchtune's TiedLinear as they are, without a bias."""
-    kind = _own_class(weight_module)
+    kind = own_class(weight_module)
     if kind is not nn.Linear and f"{kind.__module__}.{kind.__name__}" != _TIED_LINEAR:
         raise ValueError(f"the LM head {name} is a {kind.__module__}.{kind.__name__}; "
                          f"response_logprobs applies the head as a plain linear map of its "
@@ -117,53 +76,6 @@ def _check_head(weight_module, name: str) -> None:
     if bias is not None:
         raise ValueError(f"the LM head {name} has a bias; response_logprobs' chunked head "
                          f"applies weight-only heads (Qwen, Llama)")
-
-
-# final norms the layer region may run outside the traced layers: token-local by construction
-_NORMS = {"torch.nn.modules.normalization.RMSNorm", "torch.nn.modules.normalization.LayerNorm",
-          "torchtune.modules.rms_norm.RMSNorm",
-          "dualkv_compile.testing._RMSNormSameDtype",  # testing.same_dtype_numerics' swap
-          *(f"transformers.models.{family}.modeling_{family}.{prefix}RMSNorm"
-            for family, prefix in (("llama", "Llama"), ("mistral", "Mistral"),
-                                   ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
-                                   ("qwen3_moe", "Qwen3Moe")))}
-
-
-def _check_outside_modules(embedding, norm, head) -> None:
-    """compile_region="layer" runs the embedding and the final norm eagerly on the packed
-    tokens, outside the token-locality proof: allow only modules that are token-local as
-    written (an nn.Embedding, a known norm class), not subclasses or custom modules, and no
-    forward hooks on them. The LM head's hooks would run eagerly for logits and not at all for
-    response_logprobs (which applies the head's weight): refused too. The one hook allowed is
-    transformers' require-grads hook on the embedding, which both regions drop
-    (_embed_without_require_grads_hook)."""
-    from dualkv_compile.passes._common import Refusal
-
-    from .fsdp import foreign_hooks, hook_names
-
-    for role, module, allowed in (("embedding", embedding, {"torch.nn.modules.sparse.Embedding"}),
-                                  ("final norm", norm, _NORMS)):
-        cls = _own_class(module)
-        kind = f"{cls.__module__}.{cls.__qualname__}"
-        if kind not in allowed:
-            raise Refusal(f"compile_region='layer' runs the model's {role} outside the traced "
-                          f"layers, where its locality is not proven, and allows only "
-                          f"{sorted(allowed)} there; this model's is {kind}. Use "
-                          f"compile_region='model' (one graph, every op proven)")
-    unproven = "where their locality is not proven"
-    for role, module, where in (
-            ("embedding", embedding, unproven), ("final norm", norm, unproven),
-            ("LM head", head, f"{unproven} for logits, and not at all for response_logprobs "
-                              f"(which applies the head's weight)")):
-        hooks = foreign_hooks(module) if isinstance(module, nn.Module) else []  # TiedLinear
-        hooks = [h for h in hooks if not (module is embedding and getattr(
-            h, "__name__", None) == _REQUIRE_GRADS_HOOK)]
-        if hooks:
-            raise Refusal(f"compile_region='layer' runs the model's {role} "
-                          f"({type(module).__name__}) eagerly outside the traced layers, so its "
-                          f"forward hooks or pre-hooks ({hook_names(hooks)}) would run {where}. "
-                          f"Remove them, or use compile_region='model' (one graph: the hooks "
-                          f"are traced and proven)")
 
 
 class _Torchtune:
@@ -205,7 +117,7 @@ class _Torchtune:
         return model.norm(hidden)
 
     def check_layer_region(self, model):
-        _check_outside_modules(model.tok_embeddings, model.norm, model.output)
+        check_outside_modules(model.tok_embeddings, model.norm, model.output)
 
     def head(self, model, hidden):
         return model.output(hidden).float()
@@ -216,6 +128,9 @@ class _Torchtune:
 
     def lm_head_weight(self, model) -> Tensor:
         return torchtune_head_weight(model)
+
+    def check_head_hooks(self, model) -> None:
+        check_head_hooks(model.output)
 
     def replicated_mask(self, padding_mask: Tensor) -> Tensor:
         """[B, L, L] causal mask over valid tokens; padding rows see themselves (no NaN)."""
@@ -319,6 +234,9 @@ class _HuggingFace:
     def lm_head_weight(self, model) -> Tensor:
         return model.get_output_embeddings().weight
 
+    def check_head_hooks(self, model) -> None:
+        check_head_hooks(model.get_output_embeddings())
+
     def replicated_mask(self, padding_mask: Tensor) -> Tensor:
         return padding_mask.long()
 
@@ -353,7 +271,7 @@ class _HuggingFace:
         return hf_decoder(model).norm(hidden)
 
     def check_layer_region(self, model):
-        _check_outside_modules(model.get_input_embeddings(), hf_decoder(model).norm,
+        check_outside_modules(model.get_input_embeddings(), hf_decoder(model).norm,
                                model.get_output_embeddings())
         check_library_forward(hf_decoder(model), "transformers",
                               "compile_region='layer' runs the decoder by layer:")

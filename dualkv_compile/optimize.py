@@ -335,6 +335,7 @@ class DualKVModel(nn.Module):
 
         def dense():
             pb = self._pack(tokens, prompt_len, padding_mask)  # validates like the packed path
+            self._adapter.check_head_hooks(self.model)
             hidden = self._adapter.body(self.model, tokens, row_positions(mask),
                                         self._adapter.replicated_mask(mask))
             _, targets, dst, _ = predictions(tokens, mask, prompt_len, pb)

@@ -297,3 +297,16 @@ def test_a_hook_on_the_transformers_decoder_runs_in_the_model_region_only():
     with pytest.raises(ValueError, match=r"runs the decoder by layer: LlamaModel has forward "
                                          r"hooks or pre-hooks \(.*<lambda>\)"):
         layer.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_the_dense_path_refuses_hooks_on_the_lm_head():
+    # the dense path (enabled=False, or fallback="dense" after a refusal) applies the head's
+    # weight itself: a pre-hook halving the head's input was skipped there (0.11 off in
+    # float64), while the packed path traces it
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    model.get_output_embeddings().register_forward_pre_hook(lambda mod, args: (args[0] / 2,))
+    tokens, mask, p = mixed_batch()
+    wrapped = dk.optimize(model, dk.DualKVConfig(enabled=False))
+    with pytest.raises(ValueError, match=r"LM head \(Linear\) has forward hooks or pre-hooks "
+                                         r"\(.*<lambda>\); the dense path"):
+        wrapped.response_logprobs(tokens, prompt_len=p, padding_mask=mask)

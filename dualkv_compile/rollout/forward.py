@@ -23,9 +23,9 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from ..adapters import (check_library_forward, hf_decoder, token_vocabulary,
-                        torchtune_head_weight)
+from ..adapters import hf_decoder, token_vocabulary, torchtune_head_weight
 from ..hf_config import rope_types, sliding_window
+from ..module_checks import check_library_forward
 from ..numerics import accumulation_dtype
 
 __all__ = ["decoder_for", "SUPPORTED_FAMILIES"]
