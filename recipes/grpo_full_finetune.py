@@ -5,11 +5,11 @@
 Each step: sample `groups_per_step` prompts, generate `group_size` responses each
 (rollout.RolloutEngine: each prompt's K/V computed and stored once for its samples), score
 them with the task's reward, normalise advantages within each group, then the policy update:
-old and reference logprobs (`optimize(model).response_logprobs`), and `updates_per_step`
-optimizer steps over mini-batches of the groups, each the clipped loss with a KL term
-(`response_loss`, the LM head's backward fused into its forward) over micro-batches
-(`micro_batch_groups` whole groups, or packed to `max_tokens_per_micro_batch` tokens) with
-gradient accumulation and clipping. `dualkv.enabled: false` runs the same recipe on the plain
+old and reference logprobs (`optimize(model).response_logprobs`, by the update's
+micro-batches), and `updates_per_step` optimizer steps over mini-batches of the groups, each
+the clipped loss with a KL term (`response_loss`, the LM head's backward fused into its
+forward) over micro-batches (`micro_batch_groups` whole groups, or packed to
+`max_tokens_per_micro_batch` tokens) with gradient accumulation and clipping. `dualkv.enabled: false` runs the same recipe on the plain
 model (the baseline).
 
 Data parallel with FSDP2: `tune run --nproc_per_node K ...` (NCCL on CUDA, gloo on CPU) shards
@@ -48,7 +48,7 @@ from dualkv_compile.rl.recipe_rollouts import RecipeRollouts
 from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal, prepare_output_dir,
                                          replace_earlier_run)
 from dualkv_compile.rl.rollout_batch import truncated_responses
-from dualkv_compile.rl.update import NonFiniteGradient, optimizer_step
+from dualkv_compile.rl.update import NonFiniteGradient, micro_batched_logprobs, optimizer_step
 from dualkv_compile.rollout import RolloutEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -197,11 +197,13 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         loss_mask = resp_mask & ~truncated[:, None] if cfg.get("overlong_filter") else resp_mask
         # logprobs of softmax(logits / T), the sampling distribution before top-k / top-p
         temp = cfg.temperature
+        # by the update's micro-batches: its packed lengths (graphs) and its memory bound
+        plan = dict(group_size=cfg.group_size, temperature=temp,
+                    micro_batch_groups=cfg.micro_batch_groups,
+                    max_tokens=cfg.get("max_tokens_per_micro_batch"))
         with torch.no_grad():
-            old = self.policy.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
-                                                temperature=temp)
-            ref = self.reference.response_logprobs(tokens, prompt_len=p, padding_mask=mask,
-                                                   temperature=temp)
+            old = micro_batched_logprobs(self.policy, tokens, mask, p, **plan)
+            ref = micro_batched_logprobs(self.reference, tokens, mask, p, **plan)
         counted = 0 if filler else 1  # a filler rank's rows count in no normaliser or metric
         groups, n = rewards.shape[0], cfg.group_size
         # no more updates than the most groups a rank has (dynamic sampling may keep fewer):

@@ -11,7 +11,7 @@ from ..rollout import generate_groups, plan_calls
 from .rollout_batch import rollout_batch, truncated_responses
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
-from .update import NonFiniteGradient, StepStats, optimizer_step
+from .update import NonFiniteGradient, StepStats, micro_batched_logprobs, optimizer_step
 
 __all__ = [
     "CharTokenizer",
@@ -31,6 +31,7 @@ __all__ = [
     "generate_groups",
     "group_advantages",
     "groups_with_signal",
+    "micro_batched_logprobs",
     "optimizer_step",
     "overlong_penalty",
     "peak_bf16_tflops",

@@ -20,7 +20,8 @@ from torch.nn import functional as F
 from . import distributed as ddp
 from .losses import groups_with_signal
 
-__all__ = ["NoGroupWithSignal", "ScoredGroups", "scored_groups", "REFILL_ROUNDS"]
+__all__ = ["NoGroupWithSignal", "ScoredGroups", "checked_rewards", "scored_groups",
+           "REFILL_ROUNDS"]
 
 REFILL_ROUNDS = 4  # draws of dynamic sampling before a step gives up on finding signal
 
@@ -38,6 +39,24 @@ class ScoredGroups(NamedTuple):
     prompt_len: int  # P
     sampled: Tensor  # every round's rewards, dropped groups included (the sampled reward)
     filler: bool  # this rank trains on dropped groups at weight 0 (see scored_groups)
+
+
+def checked_rewards(rewards, rows: int, source: str = "score()") -> Tensor:
+    """`rewards` as `source` returned them, if they are a tensor of one finite number per
+    response ([rows]); a ValueError naming what is wrong otherwise (a [rows, 1] tensor would
+    broadcast against the overlong penalty, a NaN from a failed grader would reach the loss and
+    read as a learning rate too high)."""
+    if not isinstance(rewards, Tensor) or tuple(rewards.shape) != (rows,):
+        got = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
+        raise ValueError(f"{source} returned rewards of {got}; it must return a tensor of one "
+                         f"reward per response, shape ({rows},)")
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist() if \
+        rewards.is_floating_point() else []
+    if bad:
+        raise ValueError(f"{source} returned non-finite rewards for responses {bad[:8]} "
+                         f"({rewards[bad[:8]].tolist()}); a grader that fails must return a "
+                         f"number (e.g. 0), not NaN or inf")
+    return rewards
 
 
 def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
@@ -71,7 +90,8 @@ def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
             continue
         tokens, mask, lengths = rollout(prompts)
         width = prompts.shape[1]
-        rewards = score(tokens[:, width:], [a for a in answers for _ in range(n)], lengths)
+        rewards = checked_rewards(score(tokens[:, width:], [a for a in answers for _ in
+                                                  range(n)], lengths), need * n)
         sampled.append(rewards)
         per_group = rewards.view(need, n)
         keep = (groups_with_signal(per_group) if dynamic_sampling

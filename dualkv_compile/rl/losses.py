@@ -31,6 +31,9 @@ def group_advantages(rewards: Tensor, *, eps: float = 1e-6, scale: bool = True) 
         raise ValueError(f"rewards must be [groups, samples], got shape {tuple(rewards.shape)}")
     if not rewards.is_floating_point():  # 0/1 rule rewards as bool or int
         rewards = rewards.to(torch.get_default_dtype())
+    if not torch.isfinite(rewards).all():  # NaN != NaN would also count as signal
+        raise ValueError(f"rewards hold non-finite values in groups "
+                         f"{(~torch.isfinite(rewards)).any(1).nonzero().flatten().tolist()}")
     centred = rewards - rewards.mean(1, keepdim=True)
     if scale:
         centred = centred / (rewards.std(1, keepdim=True, unbiased=False) + eps)

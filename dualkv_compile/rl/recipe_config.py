@@ -255,6 +255,12 @@ class _Checker:
                                      f"{top} > max_generated_tokens={gen}: the longest "
                                      f"response's penalty is {(top - cache - gen) / cache:.3g}, "
                                      "not -1")
+        loss = config.get("loss")
+        width = loss.get("max_response_len") if isinstance(loss, dict) else None
+        if isinstance(width, int) and isinstance(gen, int) and width < gen and loss.get(
+                "aggregation") == "constant":  # GRPOLoss refuses wider responses mid-run
+            self.bad("loss.max_response_len", f"{width} must be >= max_generated_tokens={gen}: "
+                     "constant aggregation divides by it, and responses can be that long")
         model, checkpointer = config.get("model"), config.get("checkpointer")
         if isinstance(model, dict) and isinstance(checkpointer, dict):
             allowed = ["path", "max_seq_len", "grouped_experts"]  # over config.json

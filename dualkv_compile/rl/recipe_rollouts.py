@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import distributed as ddp
-from .dynamic_sampling import scored_groups
+from .dynamic_sampling import checked_rewards, scored_groups
 from .losses import overlong_penalty
 from .rollout_batch import rollout_batch
 
@@ -50,7 +50,8 @@ class RecipeRollouts:
 
     def _score(self, responses: torch.Tensor, answers: list, lengths: torch.Tensor):
         """The task's rewards, with DAPO's overlong penalty if configured (on the CPU)."""
-        rewards = self.task.rewards(responses, answers)
+        rewards = checked_rewards(self.task.rewards(responses, answers), len(answers),
+                                  f"{type(self.task).__name__}.rewards()")
         if self.cfg.get("overlong"):
             overlong = self.cfg.overlong
             rewards = rewards + overlong_penalty(lengths.cpu(), max_len=overlong.max_len,

@@ -106,7 +106,11 @@ class RepeatLastLetterTask(SeededTask):
     def rewards(self, responses: Tensor, answers: list[str]) -> Tensor:
         """responses [B, R] token ids (generation stops at eos) -> rewards [B] in [0, 1]."""
         out = []
+        tok = self.tokenizer
         for ids, answer in zip(responses.tolist(), answers):
-            text = self.tokenizer.decode(ids)[: self.target_len]
+            # a sampled pad or bos id is a wrong character in its place (decode drops them,
+            # which would move the later characters up: a,<pad>,a,a,... scored in full)
+            ids = [tok.vocab_size if i in (tok.pad_id, tok.bos_id) else i for i in ids]
+            text = tok.decode(ids)[: self.target_len]
             out.append(sum(c == answer for c in text) / self.target_len)
         return torch.tensor(out)

@@ -23,7 +23,7 @@ from ..layout.plan import micro_batch_rows
 from ..fsdp import is_sharded
 from . import distributed as ddp
 
-__all__ = ["NonFiniteGradient", "StepStats", "optimizer_step"]
+__all__ = ["NonFiniteGradient", "StepStats", "micro_batched_logprobs", "optimizer_step"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,33 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepStats(loss_sum, kl_sum, clip_sum, grad_norm)
+
+
+def micro_batched_logprobs(policy, tokens: Tensor, mask: Tensor, prompt_len: int, *,
+                           group_size: int, temperature: float, micro_batch_groups: int = 1,
+                           max_tokens: int | None = None) -> Tensor:
+    """policy.response_logprobs of the whole batch, computed micro-batch by micro-batch as
+    optimizer_step plans them: the same packed lengths, so the graphs the update compiles (a
+    whole-batch forward compiled lengths of its own, which the recipe's recompile budget did
+    not count) and the memory bound of the token budget. Every rank runs the same number of
+    forwards (FSDP2's collectives), repeating its first micro-batch where it has fewer; tokens
+    must have rows. Call it under torch.no_grad() for old and reference logprobs."""
+    batches = micro_batch_rows(as_padding_mask(mask), prompt_len=prompt_len,
+                               group_size=group_size, groups=micro_batch_groups,
+                               max_tokens=max_tokens)
+    if not batches:
+        raise ValueError("tokens has no rows: a rank with nothing to train on passes another "
+                         "rank's rows, as for optimizer_step")
+    out = None
+    for i in range(int(ddp.all_max(len(batches))[0])):
+        rows = batches[i] if i < len(batches) else batches[0]
+        lp = policy.response_logprobs(tokens[rows], prompt_len=prompt_len,
+                                      padding_mask=mask[rows], temperature=temperature)
+        if out is None:
+            out = lp.new_zeros(tokens.shape[0], lp.shape[1])
+        if i < len(batches):
+            out[rows] = lp
+    return out
 
 
 def _check_rows(tokens: Tensor, prompt_len, **per_row: Tensor) -> int:

@@ -1,5 +1,6 @@
 """rl.scored_groups: the rounds of dynamic sampling, the padding of prompts of different
-widths, and the weight-0 filler of a rank that kept no group."""
+widths, the weight-0 filler of a rank that kept no group, and rewards that are not one finite
+number per response."""
 
 import pytest
 import torch
@@ -85,3 +86,26 @@ def test_rank_without_kept_groups_trains_last_round_as_filler(monkeypatch):
     assert out.filler and out.rewards.tolist() == [[0.0, 0.0]]
     first = 1 + 2 * (REFILL_ROUNDS - 1)  # the last round's prompt ids
     assert out.tokens[0, :2].tolist() == [first, first + 1]
+
+
+@pytest.mark.parametrize("rewards,match", [
+    (torch.tensor([1.0, float("nan"), 0.0, 1.0]), r"non-finite rewards for responses \[1\]"),
+    (torch.tensor([1.0, float("inf"), 0.0, 1.0]), r"non-finite rewards for responses \[1\]"),
+    (torch.tensor([1.0, 0.0]), r"rewards of \(2,\); it must return .* shape \(4,\)"),
+    (torch.ones(4, 1), r"rewards of \(4, 1\)"),
+    ([1.0, 0.0, 1.0, 0.0], r"rewards of list"),
+])
+def test_rewards_that_are_not_one_finite_number_per_response_are_named(rewards, match):
+    # a failed grader's NaN was kept (NaN != NaN reads as signal) and ended the run as "a
+    # learning rate too high"; a wrong shape was a bare view() error or broadcast
+    s = Script([2], [[(1.0, 0.0), (0.0, 1.0)]])
+    s.score = lambda responses, answers, lengths: rewards
+    with pytest.raises(ValueError, match="score\\(\\) returned " + match):
+        run(s, 2, True)
+
+
+def test_group_advantages_refuse_non_finite_rewards():
+    from dualkv_compile.rl import group_advantages
+
+    with pytest.raises(ValueError, match=r"non-finite values in groups \[1\]"):
+        group_advantages(torch.tensor([[1.0, 0.0], [float("nan"), 1.0]]))

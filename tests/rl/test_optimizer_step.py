@@ -168,3 +168,32 @@ def test_max_grad_norm_and_empty_or_integer_masks():
     _, update = step(model, tokens, mask, p, old, ref, adv, loss_fn, None)
     _, int_update = step(twin, tokens, mask.long(), p, old, ref, adv, loss_fn, None)
     assert torch.equal(update, int_update)
+
+
+@pytest.mark.parametrize("plan", [dict(micro_batch_groups=2), dict(max_tokens=30)],
+                         ids=["groups", "token_budget"])
+def test_micro_batched_logprobs_are_the_plain_models(plan, monkeypatch):
+    # the recipe's old and reference logprobs, by the update's micro-batches (a whole-batch
+    # forward compiled packed lengths the recipe's recompile budget did not count); a rank
+    # with fewer micro-batches than another repeats its first, and keeps its own values
+    from dualkv_compile.layout.plan import micro_batch_rows
+    from dualkv_compile.rl import distributed as ddp
+    from dualkv_compile.rl import micro_batched_logprobs
+
+    model, tokens, mask, p, *_ = setup("sequence")
+    policy = dk.optimize(model)
+    batches = micro_batch_rows(mask, prompt_len=p, group_size=2,
+                               groups=plan.get("micro_batch_groups"),
+                               max_tokens=plan.get("max_tokens"))
+    assert len(batches) > 1
+    calls = []
+    forward = policy.response_logprobs
+    monkeypatch.setattr(policy, "response_logprobs",
+                        lambda t, **kw: calls.append(t.shape[0]) or forward(t, **kw))
+    monkeypatch.setattr(ddp, "all_max", lambda *v: [len(batches) + 1])  # another rank's count
+    with torch.no_grad():
+        got = micro_batched_logprobs(policy, tokens, mask, p, group_size=2, temperature=T,
+                                     **plan)
+        want = row_by_row_response_logprobs(model, tokens, mask, p, temperature=T)
+    assert len(calls) == len(batches) + 1 and calls[-1] == calls[0]
+    assert (got - want).abs().max() <= TOL

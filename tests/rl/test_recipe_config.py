@@ -1,5 +1,6 @@
 """check_recipe_config's checks across keys (in-process): a misspelt model key beside a
-checkpointer is named as a typo; an overlong penalty band no response reaches is refused."""
+checkpointer is named as a typo; an overlong penalty band no response reaches is refused; a
+constant-aggregation width below the generation cap is refused."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -54,3 +55,20 @@ def test_an_overlong_band_past_every_response_is_refused_and_one_cut_short_warne
         "overlong.max_len (tiny_dapo.yaml): 12 > max_generated_tokens=10: the longest "
         "response's penalty is -0.333, not -1"]
     assert _checked("tiny_dapo.yaml", "max_generated_tokens=20") == []  # -1 past max_len
+
+
+def test_a_constant_aggregation_width_below_the_generation_cap_is_refused(monkeypatch):
+    # accepted, then step 1 ended in GRPOLoss's "responses of width 9 exceed
+    # max_response_len=8" after its whole rollout
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError) as e:
+        _checked("tiny_grpo.yaml", "loss.aggregation=constant", "loss.max_response_len=8",
+                 "max_generated_tokens=9")
+    assert e.value.problems == ["loss.max_response_len (command-line override "
+                                "'loss.max_response_len=8'): 8 must be >= "
+                                "max_generated_tokens=9: constant aggregation divides by it, "
+                                "and responses can be that long"]
+    assert _checked("tiny_grpo.yaml", "loss.aggregation=constant", "loss.max_response_len=9",
+                    "max_generated_tokens=9") == []
+    assert _checked("tiny_grpo.yaml", "loss.max_response_len=8",  # not read by "sequence"
+                    "max_generated_tokens=9") == []

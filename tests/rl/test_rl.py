@@ -192,6 +192,12 @@ def test_tokenizer_and_task_reward():
     assert tok.decode([past, *tok.encode(a, add_bos=False), past + 3]) == f"\ufffd{a}\ufffd"
     assert task.rewards(torch.tensor([[past] + tok.encode(a * 3, add_bos=False)]),
                         [a]).tolist() == [0.75]
+    # so are a sampled pad or bos id inside a response (decode dropped them, moving the later
+    # characters up: full credit)
+    for stray in (tok.pad_id, tok.bos_id):
+        assert task.rewards(torch.tensor([tok.encode(a, add_bos=False) + [stray]
+                                          + tok.encode(a * 2, add_bos=False)]),
+                            [a]).tolist() == [0.75]
     with pytest.raises(ValueError, match=r"holds '\ufffd'"):
         CharTokenizer("ab\ufffd")
     with pytest.raises(ValueError, match=r"alphabet 'abcdefgh' lacks ':'"):
