@@ -57,6 +57,8 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
                       operator.irshift}
+# the same as methods (m.__ior__(x)), and item assignment
+_INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS} | {"__setitem__"}
 
 
 def may_write(node: fx.Node) -> bool:
@@ -70,7 +72,7 @@ def may_write(node: fx.Node) -> bool:
     name = op_name(node)
     if getattr(node.target, "__module__", None) in ("_operator", "operator"):
         return name == "setitem"  # and_, or_, not_, is_ are the plain `&`, `|`, `not`, `is`
-    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
 def written(node: fx.Node) -> list:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
@@ -141,10 +142,23 @@ def _writer_into(graph: fx.Graph, needed: set[fx.Node]) -> fx.Node | None:
     or any write while a tensor in `needed` has such memory, counts."""
     memory = {storage(n) for n in needed} | {None}  # None: memory not named, which may be any
     unknown = any(isinstance(example(n), Tensor) and storage(n) is None for n in needed)
-    for n in graph.nodes:
-        if may_write(n) and (unknown or any(storage(t) in memory for t in written(n))):
+    for n, into in _writes(graph):
+        if unknown or into & memory:
             return n
     return None
+
+
+# graph -> its in-place ops with the memory each writes: one scan of the graph for all its
+# attention calls (may_write inspects signatures; a scan per call was quadratic in layers).
+# The rewrite itself adds no in-place op, so the scan stays valid while it runs.
+_WRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _writes(graph: fx.Graph) -> list[tuple[fx.Node, set]]:
+    if graph not in _WRITES:
+        _WRITES[graph] = [(n, {storage(t) for t in written(n)})
+                          for n in graph.nodes if may_write(n)]
+    return _WRITES[graph]
 
 
 def _evaluate_mask(mask: fx.Node, positions: fx.Node):

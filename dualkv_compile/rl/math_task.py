@@ -3,8 +3,8 @@
 Each line: {"question": "...", "answer": "42"} (the answer may carry GSM8K's "#### 42" form,
 MATH's \\boxed{...}, or be a JSON number; a line whose answer is not one number, such as
 "\\sqrt{2}", is refused). Reward 1 when the response's number (final_number: the last
-\\boxed{} if any, which must hold one number, else the number on GSM8K's "####" line, else the
-last number) equals the answer's as a value ("10.00" matches "10", "0.5" matches "1/2" and
+\\boxed{} if any, which must hold one number, else the number of GSM8K's "#### 42" line, else
+the last number) equals the answer's as a value ("10.00" matches "10", "0.5" matches "1/2" and
 "\\frac{1}{2}"), else 0.
 """
 
@@ -50,6 +50,9 @@ _MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
 # a line break or the start; not a time's "10:30", a ratio's "3:1", a date's "10-05" or an
 # exponent's "x^2"), spaces before the fraction (not a tab: a table's column)
 _WHOLE_BEFORE = re.compile(r"(?<!\S)[-\u2212]?\d+ +$")
+# GSM8K's answer line: "#### 42" and nothing else on it (not a heading "#### Step 2: ...")
+_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-\u2212]?[\d.,/]+)[ \t]*\.?[ \t]*$",
+                         re.MULTILINE)
 _SPACED_THOUSANDS = re.compile(r"[-\u2212]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
 
 
@@ -104,11 +107,11 @@ def _boxed_number(boxed: str) -> str | None:
     mixed = _MIXED.fullmatch(text)
     if mixed:
         sign, whole, num, den = mixed.groups()
-        try:  # past Python's 4300-digit limit for int(): no number to compare
+        try:  # past Python's 4300-digit limit for int() or str(): no number to compare
             value = int(whole) + Fraction(int(num), int(den)) if int(den) else None
+            return None if value is None else str(-value if sign else value)
         except ValueError:
             return None
-        return None if value is None else str(-value if sign else value)
     if _SPACED_THOUSANDS.fullmatch(text):  # 1 000 000, 1\\,000
         text = text.replace(" ", "")
     return _value(text) if _NUMBER.fullmatch(text) else None
@@ -116,18 +119,18 @@ def _boxed_number(boxed: str) -> str | None:
 
 def final_number(text: str) -> str | None:
     """The answer's number in `text`: the last \\boxed{...} if there is one (None unless it
-    holds one number: a box of \\sqrt{2} is not the answer 2), else the last number on the
-    line of GSM8K's last "####" if it holds one (a Markdown "#### Summary" heading does not),
-    else the last number; as its value written one way: an integer ("1,200.0" -> "1200",
+    holds one number: a box of \\sqrt{2} is not the answer 2), else the number of GSM8K's
+    last "#### 42" line (a line of "####" and one number only: a Markdown heading such as
+    "#### Step 2" is none), else the last number; as its value written one way: an integer ("1,200.0" -> "1200",
     "10.00" -> "10", "3.14e2" -> "314") or a reduced fraction ("0.75", "3/4" and
     "\\frac{3}{4}" -> "3/4", "-.5" -> "-1/2", the mixed number "1 1/2" -> "3/2"), so that
     equal values compare equal as strings."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return _boxed_number(boxed)
-    mark = text.rfind("####")
-    if mark >= 0:
-        value = _last_number(text[mark + 4:].split("\n", 1)[0])
+    gsm8k = _GSM8K_LINE.findall(text)
+    if gsm8k:
+        value = _last_number(gsm8k[-1])
         if value is not None:
             return value
     return _last_number(text)

@@ -43,6 +43,8 @@ def _mask_in_place(kind, i, s, dtype):
     m = d >= 0
     if kind == "window_in_place":
         m.logical_and_(d < 3)
+    elif kind == "window_by_dunder":  # the method form of m &= ..., once not read as a write
+        m.__iand__(d < 3)
     elif kind == "tril_in_place":  # drops the first subdiagonal
         m.tril_(-2)
         m.fill_diagonal_(True)
@@ -114,7 +116,8 @@ def test_a_mask_that_is_not_causal_is_refused(kind):
                                       ("tril_in_place", "tril_"),
                                       ("setitem_from_arange", "setitem"),
                                       ("alibi_in_place", "add_"),
-                                      ("ancestor_in_place", "abs_")])
+                                      ("ancestor_in_place", "abs_"),
+                                      ("window_by_dunder", "__iand__")])
 def test_a_mask_written_in_place_is_refused(kind, op):
     with pytest.raises(Refusal, match=rf"mask written in place \({op} at "):
         _run(kind)

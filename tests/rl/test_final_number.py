@@ -44,12 +44,18 @@ def test_final_number_reads_values(text, value):
     ("\\boxed{42}\n##### Note: 3 checks passed", "42"),
     ("so 40 + 2\n#### 42\n\nNote: 3 checks", "42"),
     ("We get 42.\n#### Summary\nThat is all.", "42"),
+    # a numbered heading is no answer line (a first '####' rule read 2, 2, 1, 6)
+    ("#### Step 1: Find the cost\n7 each\n#### Step 2: Multiply\n3 * 14 = 42.\nThe answer is "
+     "42.", "42"), ("#### Part 2\nSo she has 18 dollars.", "18"),
+    ("### Solution\n#### 1. Compute\n5 + 7 = 12\nFinal answer: 12", "12"),
+    ("#### 42\n#### Summary\nWe used 6 steps.", "42"), ("so\n####  $1,200.\nNote 3", "1200"),
     # units the docs name (each once None), an empty LaTeX argument (a TypeError)
     ("\\boxed{90°}", "90"), ("\\boxed{25\\text{ cm}^2}", "25"), ("\\boxed{5 \\text{ km}^2}", "5"),
     ("\\frac{}{2}", "2"), ("\\frac{ 3 }{ 4 }", "3/4"), ("x = 1e0005", "100000"),
     # past Python's 4300-digit limit for int() (each a ValueError that ended the run)
     ("x = 1e" + "0" * 4301 + "5", None), ("1" * 4301 + " 1/2", None),
     ("\\boxed{1 1/" + "7" * 4301 + "}", None),
+    ("\\boxed{" + "9" * 4250 + " 1/" + "7" * 100 + "}", None),  # str() past the limit
 ])
 def test_final_number_edges(text, value):
     assert final_number(text) == value
