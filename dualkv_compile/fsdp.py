@@ -34,12 +34,20 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def foreign_hooks(module: nn.Module) -> list:
-    """`module`'s forward hooks and pre-hooks (with_kwargs ones too) other than its own FSDP2
-    state's: those that a caller of module.forward, or of the module's parts, skips."""
+    """`module`'s forward hooks and pre-hooks (with_kwargs ones too) and its backward hooks
+    (which module.__call__ attaches), other than its own FSDP2 state's: those that a caller of
+    module.forward, or of the module's parts, skips."""
     fsdp = _fsdp_module_type()
     state = module._get_fsdp_state() if isinstance(module, fsdp) else None
-    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    return [h for h in hooks if state is None or getattr(h, "__self__", None) is not state]
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
+             *module._backward_pre_hooks.values(), *module._backward_hooks.values()]
+    return [h for h in hooks if (state is None or getattr(h, "__self__", None) is not state)
+            and getattr(h, "__name__", None) not in _INACTIVE_HOOKS]
+
+
+# transformers 5 installs this on layers and attention modules at a forward that asks for
+# hidden states or attentions; it does nothing outside such a forward of the model itself
+_INACTIVE_HOOKS = ("output_capturing_hook",)
 
 
 def hook_names(hooks) -> str:
@@ -79,6 +87,6 @@ def check_fsdp_layout(model: nn.Module, layers) -> None:
                              f"own: the layers were sharded as one group (fully_shard of a "
                              f"list); call fully_shard on each layer separately")
         if foreign:
-            raise ValueError(f"layer {i} has forward hooks ({hook_names(foreign)}); the "
+            raise ValueError(f"layer {i} has hooks ({hook_names(foreign)}); the "
                              f"layer-region path calls layer.forward inside the compiled "
                              f"region and would skip them")

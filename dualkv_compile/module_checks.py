@@ -46,7 +46,7 @@ def check_library_forward(module, library: str, role: str) -> None:
                              f"subclass")
     hooks = foreign_hooks(module)  # FSDP2's own are run by the wrapper (fsdp.run_as_forward)
     if hooks:
-        raise ValueError(f"{role} {cls.__name__} has forward hooks or pre-hooks "
+        raise ValueError(f"{role} {cls.__name__} has hooks "
                          f"({hook_names(hooks)}); dualkv runs its embedding, layers, norm and "
                          f"LM head itself and never calls the module, so they would not run. "
                          f"Remove them, or hook a module inside the model")
@@ -92,7 +92,7 @@ def check_outside_modules(embedding, norm, head) -> None:
         if hooks:
             raise Refusal(f"compile_region='layer' runs the model's {role} "
                           f"({type(module).__name__}) eagerly outside the traced layers, so its "
-                          f"forward hooks or pre-hooks ({hook_names(hooks)}) would run {where}. "
+                          f"hooks ({hook_names(hooks)}) would run {where}. "
                           f"Remove them, or use compile_region='model' (one graph: the hooks "
                           f"are traced and proven)")
 
@@ -103,7 +103,7 @@ def check_head_hooks(head) -> None:
     run there (the packed paths trace them or refuse them): refuse."""
     hooks = foreign_hooks(head) if isinstance(head, nn.Module) else []  # TiedLinear: none
     if hooks:
-        raise ValueError(f"the LM head ({type(head).__name__}) has forward hooks or pre-hooks "
+        raise ValueError(f"the LM head ({type(head).__name__}) has hooks "
                          f"({hook_names(hooks)}); the dense path of response_logprobs and "
                          f"response_loss (enabled=False, or fallback='dense') applies its "
                          f"weight itself, so they would not run. Remove them, or hook a module "

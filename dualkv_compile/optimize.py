@@ -110,7 +110,6 @@ class DualKVModel(nn.Module):
                 share_compiles_with._backends
         self.dense_reason: str | None = None  # set when fallback="dense" took over
         self._observer = None  # handed to the backends: see DualKVBackend.observer
-        self._layout_checked = False  # the FSDP layout check of the layer region ran
 
     # ---- the model's identity -------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -141,12 +140,10 @@ class DualKVModel(nn.Module):
             raise ValueError("compile_region='model' cannot drive an FSDP2-sharded model (its "
                              "hooks cannot run inside one compiled graph); use 'layer' or "
                              "'auto'")
-        if region == "layer" and not self._layout_checked:
+        if region == "layer":  # at every call: a hook added since the first is named too
             from .fsdp import check_fsdp_layout
 
             check_fsdp_layout(self.model, self._adapter.layers(self.model))
-            self._layout_checked = True
-        if region == "layer":  # at every call: a hook added since the first is named too
             self._adapter.check_layer_region(self.model)
         return region
 

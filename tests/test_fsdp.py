@@ -129,4 +129,4 @@ def test_fsdp_layouts_the_layer_region_cannot_drive_are_named(tmp_path):
     assert said["each_layer"] == "accepted"
     assert "sharded as one group" in said["one_group"]
     assert "FSDP unit 'layers.0.attn'" in said["attention_only"]
-    assert "layer 1 has forward hooks (hooked.<locals>.<lambda>)" in said["hooked"]
+    assert "layer 1 has hooks (hooked.<locals>.<lambda>)" in said["hooked"]

@@ -264,11 +264,11 @@ def _halve_logits(module, args, out):
 @pytest.mark.parametrize("family, change, match", [
     ("llama3_2", _softcap_unembed, r"CappedTransformerDecoder overrides unembed"),
     ("llama3_2", lambda m: m.register_forward_hook(_halve_logits),
-     r"TransformerDecoder has forward hooks or pre-hooks \(_halve_logits\)"),
+     r"TransformerDecoder has hooks \(_halve_logits\)"),
     ("llama3_2", lambda m: m.register_forward_pre_hook(lambda mod, a, kw: None, with_kwargs=True),
-     r"TransformerDecoder has forward hooks or pre-hooks \(.*<lambda>\)"),
+     r"TransformerDecoder has hooks \(.*<lambda>\)"),
     ("hf_llama", lambda m: m.register_forward_hook(_halve_logits),
-     r"LlamaForCausalLM has forward hooks or pre-hooks \(_halve_logits\)"),
+     r"LlamaForCausalLM has hooks \(_halve_logits\)"),
 ], ids=["torchtune-unembed", "torchtune-hook", "torchtune-pre-hook-kwargs", "hf-hook"])
 @pytest.mark.parametrize("region", ["model", "layer"])
 def test_what_the_wrapper_never_calls_is_refused(family, change, match, region):
@@ -294,9 +294,26 @@ def test_a_hook_on_the_transformers_decoder_runs_in_the_model_region_only():
     dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert calls
     layer = dk.optimize(model, dk.DualKVConfig(compile_region="layer"))
-    with pytest.raises(ValueError, match=r"runs the decoder by layer: LlamaModel has forward "
-                                         r"hooks or pre-hooks \(.*<lambda>\)"):
+    with pytest.raises(ValueError, match=r"runs the decoder by layer: LlamaModel has hooks "
+                                         r"\(.*<lambda>\)"):
         layer.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+@pytest.mark.parametrize("family,part", [("hf_qwen3", lambda m: m.model.layers[0]),
+                                         ("hf_qwen3", lambda m: m.model.layers[1].self_attn),
+                                         ("qwen2_5", lambda m: m.layers[0].attn)],
+                         ids=["hf-layer", "hf-attention", "torchtune-attention"])
+def test_the_rollout_engine_refuses_hooks_on_the_modules_it_runs_by_parts(family, part):
+    # it runs each layer's parts, not the layer or its attention module: a steering hook there
+    # was skipped, and the rollout sampled another model than the one trained
+    model = tiny_model(family)
+    engine = dk.rollout.RolloutEngine(model)
+    part(model).register_forward_hook(lambda mod, args, out: out)
+    prompts = torch.randint(3, 50, (1, 5))
+    with pytest.raises(ValueError, match=r"rollout engine cannot run .* has hooks \(.*<lambda>\)"):
+        engine.generate(prompts, group_size=2, max_generated_tokens=2, pad_id=0)
+    with pytest.raises(ValueError, match=r"has hooks \(.*<lambda>\), which the engine"):
+        dk.rollout.RolloutEngine(model)
 
 
 def test_the_dense_path_refuses_hooks_on_the_lm_head():
@@ -307,6 +324,13 @@ def test_the_dense_path_refuses_hooks_on_the_lm_head():
     model.get_output_embeddings().register_forward_pre_hook(lambda mod, args: (args[0] / 2,))
     tokens, mask, p = mixed_batch()
     wrapped = dk.optimize(model, dk.DualKVConfig(enabled=False))
-    with pytest.raises(ValueError, match=r"LM head \(Linear\) has forward hooks or pre-hooks "
+    with pytest.raises(ValueError, match=r"LM head \(Linear\) has hooks "
                                          r"\(.*<lambda>\); the dense path"):
         wrapped.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    # a backward hook too (one zeroing the head's input gradient was skipped)
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    model.get_output_embeddings().register_full_backward_pre_hook(
+        lambda mod, grad: (torch.zeros_like(grad[0]),))
+    with pytest.raises(ValueError, match=r"LM head \(Linear\) has hooks"):
+        dk.optimize(model, dk.DualKVConfig(enabled=False)).response_logprobs(
+            tokens, prompt_len=p, padding_mask=mask)

@@ -70,12 +70,15 @@ class Qwen3HFCheckpointer:
         state = state_dict[MODEL_KEY]
         state = split_moe_experts(state) if self.native else ours_to_hf(state)
         head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
-        tied = self.tied and (head is None or (embed is not None and torch.equal(head, embed)))
+        # tied as the source says, or a model whose state holds no head (our tied Qwen3)
+        tied = head is None or (self.tied and embed is not None and torch.equal(head, embed))
         if tied:  # the file holds the shared embedding once, as transformers writes it
             state.pop("lm_head.weight", None)
-        elif self.tied:  # a model untied from a tied checkpoint: its trained head is kept
-            log.warning("the model's LM head differs from its embedding, but %s/config.json "
-                        "ties them: saved with tie_word_embeddings=false", self.checkpoint_dir)
+        if tied != self.tied:  # a model (un)tied against its source config: saved as it is
+            log.warning("the model %s its LM head and embedding, but %s/config.json says "
+                        "otherwise: saved with tie_word_embeddings=%s",
+                        "ties" if tied else "does not tie", self.checkpoint_dir,
+                        str(tied).lower())
         try:
             path = write_hf_state(state, partial, rename=False)
             for src in self.checkpoint_dir.iterdir():  # config, generation config, tokenizer
@@ -103,8 +106,8 @@ def _set_saved_config(config: Path, state: dict, *, tied: bool) -> None:
     if not config.is_file():
         return
     cfg = json.loads(config.read_text())
-    if cfg.get("tie_word_embeddings", False) and not tied:
-        cfg["tie_word_embeddings"] = False
+    if cfg.get("tie_word_embeddings", False) != tied:
+        cfg["tie_word_embeddings"] = tied
     dtypes = {v.dtype for v in state.values() if torch.is_floating_point(v)}
     if len(dtypes) == 1:
         name = str(dtypes.pop()).removeprefix("torch.")

@@ -235,7 +235,9 @@ class RolloutEngine:
         """A layer (or the embedding, norm or LM head) replaced, added or removed since the
         engine read the model: check the model again and drop what was built on the old
         modules (the compiled steps and the workspaces, whose graphs call them)."""
-        if self.decoder.changed():
+        if not self.decoder.changed():
+            self.decoder.check_hooks()  # a hook registered since the model was read
+        else:
             self.decoder = decoder_for(self.model)
             self._steps.clear()
             self._held.clear()

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..adapters import hf_decoder, token_vocabulary, torchtune_head_weight
 from ..hf_config import rope_types, sliding_window
+from ..fsdp import foreign_hooks, hook_names
 from ..module_checks import check_library_forward
 from ..numerics import accumulation_dtype
 
@@ -65,6 +66,20 @@ class _Modules:
         now = self._listed()
         return len(now) != len(self._built_from) or any(
             a is not b for a, b in zip(now, self._built_from))
+
+    def check_hooks(self) -> None:
+        """The engine runs each layer's parts itself, never the layer or its attention module:
+        hooks on those would be skipped, and the rollout would sample another model than the
+        one the update trains (an activation-steering hook): refuse, naming them."""
+        for i, layer in enumerate(self._raw_layers()):
+            attention = getattr(_unwrap(layer), self._ATTENTION)
+            for part, module in ((f"layer {i}", layer), (f"layer {i}", _unwrap(layer)),
+                                 (f"layer {i}'s attention", attention)):
+                hooks = foreign_hooks(module)
+                if hooks:
+                    raise _refuse(self.model, f"{part} has hooks ({hook_names(hooks)}), which "
+                                              f"the engine, running the layer's parts itself, "
+                                              f"would skip")
 
 
 class _TorchtuneDecoder(_Modules):
@@ -108,6 +123,11 @@ class _TorchtuneDecoder(_Modules):
     def _listed(self) -> tuple:
         return (self.model.tok_embeddings, self.model.norm, self.model.output,
                 *self.model.layers)
+
+    _ATTENTION = "attn"
+
+    def _raw_layers(self):
+        return self.model.layers
 
     @property
     def vocab_size(self) -> int:
@@ -198,6 +218,11 @@ class _HFDecoder(_Modules):
         return (base, base.embed_tokens, base.norm, base.rotary_emb, self.model.lm_head,
                 *base.layers)
 
+    _ATTENTION = "self_attn"
+
+    def _raw_layers(self):
+        return hf_decoder(self.model).layers
+
     @property
     def vocab_size(self) -> int:
         """Read on each call (resize_token_embeddings may change it)."""
@@ -263,7 +288,9 @@ def decoder_for(model: nn.Module):
         TransformerDecoder = ()
     if TransformerDecoder and isinstance(model, TransformerDecoder):
         _library_forward(model, "torchtune", "the torchtune decoder")
-        return _TorchtuneDecoder(model)
+        decoder = _TorchtuneDecoder(model)
+        decoder.check_hooks()
+        return decoder
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -271,6 +298,8 @@ def decoder_for(model: nn.Module):
     if PreTrainedModel and isinstance(model, PreTrainedModel):
         _library_forward(model, "transformers", "the causal LM")
         _library_forward(hf_decoder(model), "transformers", "the decoder")
-        return _HFDecoder(model)
+        decoder = _HFDecoder(model)
+        decoder.check_hooks()
+        return decoder
     raise _refuse(model, f"{type(model).__module__}.{type(model).__name__} is neither a torchtune "
                          "TransformerDecoder nor a transformers causal LM")

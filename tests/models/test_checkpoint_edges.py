@@ -256,3 +256,16 @@ def test_rope_parameters_per_layer_type_are_refused(tmp_path):
         "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     with pytest.raises(ValueError, match=r"rope parameters per layer type \(\['full_attention'\]\)"):
         qwen3_from_hf_config(path)
+
+
+def test_a_tied_model_from_an_untied_checkpoint_saves_as_tied(tmp_path):
+    # the reverse of the case above: no lm_head.weight was written and the copied config said
+    # untied, so transformers initialised a random head
+    source = _saved_source(tmp_path)  # untied
+    assert json.loads((source / "config.json").read_text())["tie_word_embeddings"] is False
+    model = qwen3_from_hf_config(source, tie_word_embeddings=True)
+    folder = Qwen3HFCheckpointer(str(source), str(tmp_path / "out")).save_checkpoint(
+        {"model": model.state_dict()}, epoch=1)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True
+    back = tf.Qwen3ForCausalLM.from_pretrained(folder)
+    assert torch.equal(back.lm_head.weight, model.tok_embeddings.weight)
