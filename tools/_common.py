@@ -18,7 +18,7 @@ from .models import CliError
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
            "environment", "interleaved_medians", "is_number", "parse_caps", "parse_ragged_case",
            "parse_shape", "positive_float", "positive_int", "ragged_only", "ResultsWriteError",
-           "seed_int", "unknown_flag", "write_results"]
+           "save_progress", "seed_int", "unknown_flag", "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -38,6 +38,12 @@ class OneLineParser(argparse.ArgumentParser):
             if flag is None or self._subparsers is not None:  # a subcommand's flags are its own
                 self.error(f"unrecognized arguments: {' '.join(extra)}")
             self.error(unknown_flag(self, flag))
+        out, suffixes = getattr(parsed, "out", None), getattr(self, "out_suffixes", ())
+        if out and suffixes and not parsed.overwrite:  # an earlier run's results, before any work
+            existing = [out + x for x in suffixes if os.path.exists(out + x)]
+            if existing:
+                self.error(f"--out {out}: {existing[0]} exists (an earlier run's results); "
+                           f"pass --overwrite to replace it, or name another OUT")
         return parsed
 
 
@@ -174,7 +180,11 @@ def add_out_argument(ap: argparse.ArgumentParser, suffixes=(".json", ".md")) -> 
 
     ap.add_argument("--out", default=None, type=stem, metavar="OUT",
                     help=f"write {' and '.join('OUT' + x for x in suffixes)} (the directory "
-                         "must exist)")
+                         "must exist), after every row, so that an interrupted run keeps what "
+                         "it measured")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier run's OUT files (refused otherwise)")
+    ap.out_suffixes = suffixes  # read by OneLineParser.parse_args
 
 
 def add_shapes_argument(ap: argparse.ArgumentParser, defaults: list[str]) -> None:
@@ -231,14 +241,30 @@ class ResultsWriteError(OSError):
     left on disk. bench.run reports it as the benchmark's one-line error."""
 
 
+def save_progress(out: str | None, meta: dict, rows: list, table: str, *,
+                  echo: bool = True) -> None:
+    """After each row: print it as one JSON line (echo), and with --out write the rows so far
+    (meta "incomplete": true), so that an interruption, a time limit or an error in a later
+    row keeps what was measured. write_results replaces them when the run is done."""
+    if echo:
+        print(json.dumps(rows[-1], default=str), flush=True)
+    if out:
+        _write_pair(out, meta | {"incomplete": True}, rows,
+                    table + f"\n(incomplete: the first {len(rows)} rows; the run has not finished)\n")
+
+
 def write_results(out: str | None, meta: dict, rows: list, table: str) -> None:
     """Print the table; write OUT.json ({"meta", "rows"}) and OUT.md (the table) when --out
-    was given. Both are written to temporary files beside their final names first and renamed
-    into place only when both were written, so a failed write (a full disk) leaves the earlier
-    pair as it was, not a new JSON beside an old table; ResultsWriteError otherwise."""
+    was given."""
     print(table)
-    if not out:
-        return
+    if out:
+        _write_pair(out, meta, rows, table)
+
+
+def _write_pair(out: str, meta: dict, rows: list, table: str) -> None:
+    """OUT.json and OUT.md, written to temporary files beside their final names first and
+    renamed into place only when both were written, so a failed write (a full disk) leaves the
+    earlier pair as it was, not a new JSON beside an old table; ResultsWriteError otherwise."""
     texts = {out + ".json": json.dumps({"meta": meta, "rows": rows}, indent=1),
              out + ".md": table}
     temporary = {path: f"{path}.tmp{os.getpid()}" for path in texts}

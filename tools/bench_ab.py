@@ -28,9 +28,10 @@ import torch
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, interleaved_medians, positive_int,
-                                          seed_int, write_results)
+                                          save_progress, seed_int, write_results)
 
 OTHER = "dualkv_other"
+COMMIT_FILE = "PREPARED_FROM_COMMIT"
 # where setuptools maps these source folders inside the package
 MAPPED = {"dualkv_compile": "", "passes": "passes", "tools": "tools"}
 
@@ -49,6 +50,7 @@ def prepare(commit: str, other_dir: str) -> None:
         why = archive.stderr.decode(errors="replace").strip().splitlines()
         raise ValueError(f"--prepare {commit}: git archive failed ({why[0] if why else ''})")
     archive = archive.stdout
+    resolved = _commit_of(found.stdout.strip(), commit) or commit
     if os.path.exists(other_dir) and not os.path.isdir(other_dir):
         raise ValueError(f"--other-dir {other_dir}: exists and is not a directory")
     target = os.path.join(other_dir, OTHER)
@@ -67,7 +69,30 @@ def prepare(commit: str, other_dir: str) -> None:
             text = re.sub(r"torch\.ops\.dualkv\b", "torch.ops.dualkv_other", text)
             with open(path, "w") as f:
                 f.write(text)
-    print(f"{commit} written to {os.path.join(other_dir, OTHER)}")
+    with open(os.path.join(target, COMMIT_FILE), "w") as f:  # recorded in the results' meta
+        f.write(resolved + "\n")
+    print(f"{commit} ({resolved}) written to {target}")
+
+
+def _commit_of(path: str, rev: str = "HEAD", *, working_tree: bool = False) -> str | None:
+    """The full hash of `rev` in the git checkout holding `path` (None outside one); for the
+    working tree, with "+changes" when it has uncommitted changes."""
+    def git(*argv):
+        done = subprocess.run(["git", "-C", path, *argv], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    if commit and working_tree and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    return commit
+
+
+def _prepared_commit(other_dir: str) -> str:
+    try:
+        with open(os.path.join(other_dir, OTHER, COMMIT_FILE)) as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown (prepared before --prepare recorded its commit)"
 
 
 def layouts(args):
@@ -122,6 +147,10 @@ def main(argv=None, prog=None):
     sys.path.insert(0, args.other_dir)
     sides = {"this": importlib.import_module("dualkv_compile"),
              "other": importlib.import_module(OTHER)}
+    meta = environment() | {"heads": args.heads, "kv_heads": args.kv_heads,
+                            "head_dim": args.head_dim, "rounds": args.rounds, "rep_ms": args.rep_ms,
+                            "this": _commit_of(os.path.dirname(sides["this"].__file__), working_tree=True),
+                            "other": _prepared_commit(args.other_dir)}
     rows = []
     for name, tokens, mask, plen in layouts(args):
         t = sides["this"].pack(tokens, prompt_len=plen, padding_mask=mask).seq_len
@@ -137,20 +166,24 @@ def main(argv=None, prog=None):
                     row[f"{side} {kernel}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         row |= interleaved_medians(variants, rounds=args.rounds, warmup_ms=50, rep_ms=args.rep_ms)
         rows.append(row)
+        save_progress(args.out, meta, rows, _table(rows, args.kernels, meta))
         torch.cuda.empty_cache()
+    write_results(args.out, meta, rows, _table(rows, args.kernels, meta))
+
+
+def _table(rows: list, kernels: list, meta: dict) -> str:
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
-    lines = ["Same-process A/B, shared_prefix_attention fwd+bwd, bf16 (ms; this / other)\n",
-             "| layout | T | " + " | ".join(args.kernels) + " |", "|---|---|" + "---|" * len(args.kernels)]
+    lines = ["Same-process A/B, shared_prefix_attention fwd+bwd, bf16 (ms; this / other; "
+             f"this: {meta['this']}, other: {meta['other']})\n",
+             "| layout | T | " + " | ".join(kernels) + " |", "|---|---|" + "---|" * len(kernels)]
     for r in rows:
         cells = []
-        for k in args.kernels:
+        for k in kernels:
             a, b = r.get(f"this {k}"), r.get(f"other {k}")
             ratio = f" ({a / b:.3f})" if isinstance(a, float) and isinstance(b, float) else ""
             cells.append(f"{fmt(a)} / {fmt(b)}{ratio}")
         lines.append(f"| {r['layout']} | {r['T']} | " + " | ".join(cells) + " |")
-    meta = environment() | {"heads": args.heads, "kv_heads": args.kv_heads,
-                            "head_dim": args.head_dim, "rounds": args.rounds, "rep_ms": args.rep_ms}
-    write_results(args.out, meta, rows, "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ plus the block mask).
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -24,7 +23,7 @@ from dualkv_compile.attention.op import _flex_attention
 from dualkv_compile.attention.block_mask import shared_prefix_block_mask
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, interleaved_medians, positive_int,
-                                          write_results)
+                                          save_progress, write_results)
 
 # the five shapes of issue #4, then long context (P=32K) and a layout of > 262,144 packed tokens
 DEFAULT_SHAPES = ["16,2048,512", "32,4096,1024", "32,8192,1024", "16,8192,2048", "64,2048,512",
@@ -381,8 +380,8 @@ def main(argv=None, prog=None):
     for n, p, r in args.shapes:
         row = run_shape(n, p, r, args.heads, args.kv_heads, args.head_dim, args)
         torch.cuda.empty_cache()
-        print(json.dumps(row), flush=True)
         rows.append(row)
+        save_progress(args.out, meta, rows, markdown(meta, rows))
     write_results(args.out, meta, rows, markdown(meta, rows))
 
 

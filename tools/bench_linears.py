@@ -11,12 +11,12 @@ fused ones come out of one GEMM over the concatenated output dimension.
 
 from __future__ import annotations
 
-import json
 
 import torch
 
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, positive_int, write_results)
+                                          interleaved_medians, positive_int, save_progress,
+                                          write_results)
 
 # Qwen3-8B: hidden 4096, 32 x 128 query heads, 8 x 128 key-value heads, MLP 12288
 GROUPS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [12288, 12288]),
@@ -71,8 +71,8 @@ def main(argv=None, prog=None):
                 row = {"T": t, "group": name, "gemm": kind, "outs": outs, "tflop": flop / 1e12,
                        **{f"{k}_ms": v for k, v in ms.items()},
                        **{f"{k}_tflops": flop / v / 1e9 for k, v in ms.items()}}
-                print(json.dumps(row), flush=True)
                 rows.append(row)
+                save_progress(args.out, meta, rows, markdown(meta, rows))
             del x, weights, dy
     write_results(args.out, meta, rows, markdown(meta, rows))
 

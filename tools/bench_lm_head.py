@@ -14,14 +14,14 @@ benchmark's MFU.
 from __future__ import annotations
 
 import contextlib
-import json
 from unittest import mock
 
 import torch
 
 from dualkv_compile.lm_head import logprobs as lp
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, positive_int, write_results)
+                                          interleaved_medians, positive_int, save_progress,
+                                          write_results)
 
 
 def _eager_kernels(device):
@@ -79,8 +79,8 @@ def main(argv=None, prog=None):
         flop = 6 * rows * args.dim * args.vocab
         row = {"rows": rows, "ms": ms, "extra_peak_gib": peaks,
                "useful_tflops": {k: flop / (v / 1e3) / 1e12 for k, v in ms.items()}}
-        print(json.dumps(row), flush=True)
         rows_out.append(row)
+        save_progress(args.out, meta, rows_out, markdown(meta, rows_out))
     write_results(args.out, meta, rows_out, markdown(meta, rows_out))
 
 

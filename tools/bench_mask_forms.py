@@ -24,7 +24,6 @@ exact forms are compared (they must be equal bit for bit).
 
 from __future__ import annotations
 
-import json
 
 import torch
 
@@ -36,7 +35,7 @@ from dualkv_compile.attention.op import _flex
 from dualkv_compile.recompiles import bounded_recompiles
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, interleaved_medians, parse_ragged_case,
-                                          positive_int, ragged_only, write_results)
+                                          positive_int, ragged_only, save_progress, write_results)
 
 DEFAULT_SHAPES = ["32,4096,1024", "64,2048,512", "32,8192,1024"]
 EXACT = ("visible_until", "segments", "intervals")
@@ -171,8 +170,8 @@ def main(argv=None, prog=None):
         if "fa4_varlen" in ms:
             row["x_ideal"] = {k: ms["fa4_varlen"] / v / pb.pair_reduction for k, v in ms.items()
                               if k != "fa4_varlen"}
-        print(json.dumps(row), flush=True)
         rows.append(row)
+        save_progress(args.out, meta, rows, _table(rows, args, meta))
         torch.cuda.empty_cache()
     write_results(args.out, meta, rows, _table(rows, args, meta))
 

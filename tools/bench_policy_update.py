@@ -29,7 +29,7 @@ import dualkv_compile as dk
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
                                           environment, parse_ragged_case, positive_float,
-                                          positive_int, ragged_only, write_results)
+                                          positive_int, ragged_only, save_progress, write_results)
 from dualkv_compile.tools.step_inputs import build_model, layouts, useful_flops
 from dualkv_compile.tools.step_timing import (Variant, make_adamw, profile_step, run_variants,
                                               set_checkpointing)
@@ -134,6 +134,7 @@ def main(argv=None, prog=None):
             "attention_backend": args.attention_backend,
             "plain_micro_batch": args.plain_micro_batch, "loss": args.loss,
             "logprob_chunk_size": args.logprob_chunk_size,
+            "ragged": [list(case) for case in args.ragged], "max_tokens": args.max_tokens,
             "inductor": inductor}
     rows = []
     for (n, p_label, r_label), tokens, mask, p in layouts(args):
@@ -170,6 +171,7 @@ def main(argv=None, prog=None):
             row["speedup"] = row["plain"]["step_ms"] / row["dualkv"]["step_ms"]
             row["speedup_over_rho"] = row["speedup"] / row["rho"]
         rows.append(row)
+        save_progress(args.out, meta, rows, markdown(meta, rows), echo=False)
         if args.profile and len(rows) == 1:
             for name, v in variants.items():
                 set_checkpointing(model, v.checkpointing)

@@ -41,7 +41,7 @@ from dualkv_compile.testing import make_batch
 from dualkv_compile.attention.registry import KERNELS
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
                                           interleaved_medians, parse_caps, positive_int,
-                                          seed_int, write_results)
+                                          save_progress, seed_int, write_results)
 from dualkv_compile.tools.ragged_tiles import LAYOUTS, layout_bounds
 
 CAPS = [(2048, 512), (4096, 1024), (8192, 2048)]
@@ -241,24 +241,27 @@ def main(argv=None, prog=None):
     args = ap.parse_args(argv)
     layouts = [False, True] if args.aligned_twins else [False]
     if args.tiles_only:
-        rows = [run_case(seed, p_cap, r_cap, args, aligned)
-                for p_cap, r_cap in args.caps for seed in args.seeds for aligned in layouts]
         meta = {"tiles_only": True, "torch": torch.__version__,
                 "python": platform.python_version(), "max_tokens": args.max_tokens}
-        return write_results(args.out, meta, rows, _tiles_table(rows))
-    if not torch.cuda.is_available():
+        table = _tiles_table
+    elif not torch.cuda.is_available():
         ap.error("this benchmark needs a CUDA GPU (--tiles-only counts tiles on the CPU)")
+    else:
+        meta = environment() | {"dtype": "bfloat16", "heads": args.heads,
+                                "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                                "rounds": args.rounds, "rep_ms": args.rep_ms,
+                                "max_tokens": args.max_tokens,
+                                "input_layouts": args.input_layouts}
+        table = lambda rows: _table(rows, args)  # noqa: E731
     rows = []
     for p_cap, r_cap in args.caps:
         for seed in args.seeds:
             for aligned in layouts:
                 rows.append(run_case(seed, p_cap, r_cap, args, aligned))
-                torch.cuda.empty_cache()
-    meta = environment() | {"dtype": "bfloat16", "heads": args.heads, "kv_heads": args.kv_heads,
-                            "head_dim": args.head_dim, "rounds": args.rounds,
-                            "rep_ms": args.rep_ms, "max_tokens": args.max_tokens,
-                            "input_layouts": args.input_layouts}
-    write_results(args.out, meta, rows, _table(rows, args))
+                save_progress(args.out, meta, rows, table(rows))
+                if not args.tiles_only:
+                    torch.cuda.empty_cache()
+    write_results(args.out, meta, rows, table(rows))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dualkv_compile.models import qwen3_8b
 from dualkv_compile.models.qwen3_sizes import QWEN3_SIZES, QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
-                                          check_out_path, environment, positive_int,
+                                          check_out_path, environment, positive_int, save_progress,
                                           write_results)
 from dualkv_compile.tools.models import CliError
 
@@ -210,7 +210,14 @@ def main(argv=None, prog=None):
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     bandwidth = _copy_bandwidth()
     hf = None if args.no_hf else _hf_model(args.layers)
+    meta = environment() | {"layers": args.layers, "dtype": "bfloat16",
+                            "copy_bandwidth_gbs": bandwidth / 1e9, "model": "qwen3-8b shaped",
+                            "baseline_steps": args.baseline_steps}
     rows_out = []
+
+    def add(row):
+        rows_out.append(row)
+        save_progress(args.out, meta, rows_out, _table(rows_out, args.layers, bandwidth))
     for n, p, r in args.shapes:
         for groups in args.groups:
             prompts = torch.randint(2, QWEN3_VOCAB, (groups, p), device="cuda")
@@ -231,27 +238,22 @@ def main(argv=None, prog=None):
                            "compiled_functions": engine.stats["compiled_functions"],
                            "captures": engine.stats["captures"],
                            "graph_fallbacks": engine.stats["graph_fallbacks"]}
-                rows_out.append(_row(name, n, p, r, groups, result, floor, bandwidth))
+                add(_row(name, n, p, r, groups, result, floor, bandwidth))
                 del engine
                 torch.cuda.empty_cache()
             steps = min(r, args.baseline_steps)
             if hf is not None:
                 result = _per_step(_hf_run(hf, prompts, n), steps)
                 floor = _floor_bytes(model, args.layers, groups * n, groups, p, r, False)
-                rows_out.append(_row("hf_static_compiled", n, p, r, groups, result, floor,
-                                     bandwidth))
+                add(_row("hf_static_compiled", n, p, r, groups, result, floor, bandwidth))
                 torch.cuda.empty_cache()
             if not args.no_torchtune:
                 gen = torch.Generator("cuda").manual_seed(0)
                 result = _per_step(lambda t: _torchtune_kv_cache_generate(
                     model, prompts, n, t, gen), steps)
                 floor = _floor_bytes(model, args.layers, groups * n, groups, p, r, False)
-                rows_out.append(_row("torchtune_kv_cache", n, p, r, groups, result, floor,
-                                     bandwidth))
+                add(_row("torchtune_kv_cache", n, p, r, groups, result, floor, bandwidth))
                 torch.cuda.empty_cache()
-    meta = environment() | {"layers": args.layers, "dtype": "bfloat16",
-                            "copy_bandwidth_gbs": bandwidth / 1e9, "model": "qwen3-8b shaped",
-                            "baseline_steps": args.baseline_steps}
     write_results(args.out, meta, rows_out, _table(rows_out, args.layers, bandwidth))
 
 

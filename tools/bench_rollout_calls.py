@@ -28,7 +28,7 @@ from dualkv_compile.models import qwen3_8b
 from dualkv_compile.models.qwen3_sizes import QWEN3_VOCAB
 from dualkv_compile.rollout import RolloutEngine, prompt_bucket
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          parse_shape, positive_int, write_results)
+                                          parse_shape, positive_int, save_progress, write_results)
 
 VARIANTS = ("engine", "one_workspace", "rebuild")
 
@@ -107,15 +107,16 @@ def main(argv=None, prog=None):
     buckets = sorted({prompt_bucket(x) for x in args.prompt_lens})
     firsts = {(prompt_bucket(x), g): x for g, x in reversed(list(zip(groups, args.prompt_lens)))}
     warm = [_prompts(g, p, x, gen) for (_, g), x in sorted(firsts.items())]
-    rows = []
-    for variant in VARIANTS:
-        torch.cuda.reset_peak_memory_stats()
-        rows.append(_run(model, variant, calls, n, r, warm))
-        torch.cuda.empty_cache()
     meta = environment() | {"layers": args.layers, "dtype": "bfloat16", "N": n, "P": p, "R": r,
                             "groups": args.groups, "prompt_lens": args.prompt_lens,
                             "buckets": buckets, "rounds": args.rounds,
                             "model": "qwen3-8b shaped, random weights"}
+    rows = []
+    for variant in VARIANTS:
+        torch.cuda.reset_peak_memory_stats()
+        rows.append(_run(model, variant, calls, n, r, warm))
+        save_progress(args.out, meta, rows, _table(rows, meta))
+        torch.cuda.empty_cache()
     write_results(args.out, meta, rows, _table(rows, meta))
 
 

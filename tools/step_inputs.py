@@ -56,7 +56,7 @@ def layouts(args):
         tokens, mask, p, n, prompts, responses = ragged_case(seed, p_cap, r_cap, args.max_tokens)
         tokens = tokens % (args.vocab - 1) + 1  # ragged_case draws ids for a 1000-token vocab
         groups = len(prompts)
-        yield (n, f"ragged <= {p_cap}, {groups} groups", f"<= {r_cap}"), tokens, mask, p
+        yield (n, f"ragged <= {p_cap}, {groups} groups, seed {seed}", f"<= {r_cap}"), tokens, mask, p
         p_mean = round(sum(prompts) / groups)
         r_mean = round(sum(map(sum, responses)) / (groups * n))
         # the same means, then rounded to whole 128-token blocks (the tidy layout of #4)

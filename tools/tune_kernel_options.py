@@ -12,7 +12,6 @@ every timing to OUT.json. Candidates that fail to compile (shared memory) are re
 
 from __future__ import annotations
 
-import argparse
 import json
 import pprint
 
@@ -21,7 +20,9 @@ from tqdm import tqdm
 
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention.kernel_options import validate_kernel_options
-from dualkv_compile.tools._common import add_out_argument, environment, interleaved_medians
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
+                                          interleaved_medians, parse_shape, positive_float,
+                                          positive_int)
 
 FWD_CANDIDATES = [
     {},  # Inductor's defaults
@@ -93,18 +94,21 @@ def tune_one(head_dim, gqa, args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--gqa", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")),
-                    default=(16, 2048, 512), metavar="N,P,R")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rep-ms", type=int, default=300)
-    ap.add_argument("--min-gain", type=float, default=0.02,
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-dims", type=positive_int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--gqa", type=positive_int, nargs="+", default=[1, 4, 8],
+                    help="query heads per KV head; each must divide --heads")
+    ap.add_argument("--heads", type=positive_int, default=32)
+    ap.add_argument("--shape", type=parse_shape, default=(16, 2048, 512), metavar="N,P,R")
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--rep-ms", type=positive_int, default=300)
+    ap.add_argument("--min-gain", type=positive_float, default=0.02,
                     help="keep a tuned entry only if it is this much faster than the defaults")
     add_out_argument(ap, suffixes=(".json",))
     args = ap.parse_args(argv)
+    bad = [g for g in args.gqa if args.heads % g]
+    if bad:  # else every candidate fails at the kernel and "no tuned entry" is recorded
+        ap.error(f"--gqa {bad[0]} does not divide --heads {args.heads}")
     if not torch.cuda.is_available():
         ap.error("tuning needs a CUDA GPU")
     from dualkv_compile.attention.kernel_options import TRITON_OPTIONS_BY_ARCH

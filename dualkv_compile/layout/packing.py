@@ -204,7 +204,8 @@ def pack(
     """Pack `tokens [B, L]` (prompt in columns [0, prompt_len), response after) into one
     shared-prefix sequence. `padding_mask [B, L]` (True = real token) marks left or right padding
     of prompts and right padding of responses. Rows with identical valid prompts form a group;
-    `group_size`, when given, is checked against the data. The packed length is
+    `group_size`, when given, is checked against the data (a group of a multiple of it is groups
+    that drew the same prompt, merged). The packed length is
     `bucket_length(valid tokens, pad_to, bucket_growth)`."""
     checked_tokens(tokens)
     b, l = tokens.shape
@@ -228,9 +229,10 @@ def pack(
     group_of_row = _detect_groups(tokens, p_first, p_len, prompt_len)
     num_groups = int(group_of_row.max()) + 1
     sizes = torch.bincount(group_of_row, minlength=num_groups)
-    if group_size is not None and bool((sizes != group_size).any()):
+    if group_size is not None and bool((sizes % group_size).any()):
         raise ValueError(f"group_size={group_size} but the prompts form groups of sizes "
-                         f"{sizes.tolist()}")
+                         f"{sizes.tolist()} (rows with identical prompts form one group, so "
+                         f"each size must be a multiple of {group_size})")
     return _build(tokens, padding_mask, prompt_len, (pad_to, bucket_growth), group_of_row, p_first,
                   p_len, r_len)
 

@@ -53,16 +53,16 @@ def _group_costs(padding_mask: Tensor, prompt_len: int, group_size: int):
     return prompts, responses
 
 
-def _parts(group: int, prompt: int, responses: list[int], budget: int, size: int):
+def _parts(group: int, prompt: int, responses: list[int], budget: int, size: int, count: bool):
     """The group as one item, or split into runs of consecutive rows within the budget:
-    (packed tokens, rows) each."""
+    (packed tokens, rows) each. count: add rows over the budget to the counters."""
     first = group * size
     if prompt + sum(responses) <= budget:
         return [(prompt + sum(responses), list(range(first, first + size)))]
     parts, rows, tokens = [], [], prompt
     for i, r in enumerate(responses):
         if prompt + r > budget:  # a row alone over the budget: a micro-batch of its own
-            counters["rows_over_budget"] += 1
+            counters["rows_over_budget"] += int(count)
             log_once(log, logging.WARNING, f"micro-batches: a row packs {prompt + r} tokens "
                      f"(prompt {prompt} + response {r}), over max_tokens={budget}; it gets a "
                      "micro-batch of its own (logged once; counters['rows_over_budget'] counts "
@@ -129,9 +129,16 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     max_tokens = integer_arg("max_tokens", max_tokens, 1)
     if tokens is not None:
         _check_group_major(tokens, mask, prompt_len, group_size)
+    return _plan(mask, prompt_len, group_size, max_tokens, count=True)
+
+
+def _plan(mask: Tensor, prompt_len: int, group_size: int, max_tokens: int, *,
+          count: bool) -> MicroBatchPlan:
+    """plan_micro_batches on checked arguments; count: add the batch's split groups and rows
+    over the budget to the counters (once a batch: not for a second plan of the same batch)."""
     prompts, responses = _group_costs(mask, prompt_len, group_size)
     items = [(size, rows, g, p) for g, (p, rs) in enumerate(zip(prompts, responses))
-             for size, rows in _parts(g, p, rs, max_tokens, group_size)]
+             for size, rows in _parts(g, p, rs, max_tokens, group_size, count)]
     bins: list[tuple[int, list[int], set[int]]] = []  # packed tokens, rows, groups
     for size, rows, g, p in sorted(items, key=lambda item: -item[0]):  # first-fit decreasing
         for i, (used, members, groups) in enumerate(bins):
@@ -144,7 +151,7 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
     split = sorted(g for g, n in Counter(g for _, _, groups in bins for g in groups).items()
                    if n > 1)
     if split:
-        counters["groups_split"] += len(split)
+        counters["groups_split"] += len(split) * int(count)
         log_once(log, logging.WARNING, f"micro-batches: groups {split} exceed max_tokens="
                  f"{max_tokens} and are split; their prompt is recomputed once per micro-batch "
                  "(logged once; counters['groups_split'] counts such groups)",
@@ -155,12 +162,14 @@ def plan_micro_batches(padding_mask: Tensor, *, prompt_len: int, group_size: int
 
 def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int,
                      groups: int | None, max_tokens: int | None,
-                     tokens: Tensor | None = None) -> list:
+                     tokens: Tensor | None = None, count: bool = True) -> list:
     """The rows of each micro-batch, as indices into the batch: `groups` whole groups each
     (slices; the last may hold fewer), or by packed-token budget when `max_tokens` is given
     (index tensors; `groups` is then unused and may be None). Rows must be group-major, as in
     `plan_micro_batches`; `tokens`, when given, are checked for it. Arguments are checked as
-    in `plan_micro_batches`; bad ones raise ValueError naming the value."""
+    in `plan_micro_batches`; bad ones raise ValueError naming the value. count=False: a batch
+    planned before (the recipe's logprob passes plan the update's batch again) is not counted
+    again in counters["groups_split"] and ["rows_over_budget"]."""
     mask, prompt_len, group_size = _checked_batch(padding_mask, prompt_len, group_size)
     if groups is not None or max_tokens is None:
         groups = integer_arg("groups", groups, 1)
@@ -169,6 +178,6 @@ def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int,
     if max_tokens is None:
         step = groups * group_size
         return [slice(s, s + step) for s in range(0, mask.shape[0], step)]
-    plan = plan_micro_batches(mask, prompt_len=prompt_len, group_size=group_size,
-                              max_tokens=max_tokens)  # tokens were checked above
+    plan = _plan(mask, prompt_len, group_size, integer_arg("max_tokens", max_tokens, 1),
+                 count=count)  # tokens were checked above
     return [torch.tensor(rows, device=padding_mask.device) for rows in plan.rows]

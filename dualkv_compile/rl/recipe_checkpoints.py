@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from . import distributed as ddp
-from .run_guard import (RunFailed, apply_config_changes, check_finite_weights, check_resume_model,
-                        write_checkpoint)
+from .resume_checks import apply_config_changes, check_resume_model
+from .run_guard import RunFailed, check_finite_weights, write_checkpoint
 
 __all__ = ["RecipeCheckpoints"]
 

@@ -10,15 +10,12 @@ Component sections (`model`, `task`, ...) are checked against the signature of t
 from __future__ import annotations
 
 import difflib
-import math
 import inspect
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from ..attention.registry import KERNELS
-from ..rollout.sampling import MIN_TEMPERATURE
 from .component_types import parameter_kinds
+from .recipe_schema import GRPO_SCHEMA, NULLABLE_SECTIONS, SUPPLIED_BY_RECIPE, Key, not_nan
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "instantiate_checked",
            "parse_checked", "split_problem"]
@@ -30,107 +27,6 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-@dataclass(frozen=True)
-class Key:
-    kind: str                            # "int", "float", "bool", "str", "choice", "section"
-    check: Callable[[Any], str | None] | None = None   # returns what is wrong, or None
-    nullable: bool = False
-    choices: tuple = ()
-    required: bool = True
-
-
-def _at_least(n):
-    return lambda v: None if v >= n else f"must be >= {n}"
-
-
-def _in_range(lo, hi):
-    return lambda v: None if lo <= v <= hi else f"must be in [{lo}, {hi}]"
-
-
-def _positive(v):
-    return None if v > 0 else "must be > 0"
-
-
-def _temperature(v):
-    return None if MIN_TEMPERATURE <= v < math.inf else \
-        f"must be a finite number >= {MIN_TEMPERATURE} (the rollout's sampling)"
-
-
-def _not_nan(v):
-    return "is not a number (NaN)" if math.isnan(v) else None
-
-
-def _unit_interval(v):
-    return None if 0 < v <= 1 else "must be in (0, 1]"
-
-
-def _group_size(v):
-    if v < 2:
-        return ("must be >= 2: GRPO normalises rewards within a group, so a group of one has "
-                "advantage 0 and trains nothing")
-    return None
-
-
-def _device(v):
-    import torch
-
-    if str(v).startswith("cuda") and not torch.cuda.is_available():
-        return "needs CUDA, but torch.cuda.is_available() is False on this machine; use device=cpu"
-    if not (str(v) in ("cpu", "cuda") or str(v).startswith("cuda:")):
-        return "must be 'cpu', 'cuda' or 'cuda:N'"
-    return None
-
-
-COMPONENT = Key("section")
-# the keys the recipe reads; sections hold their own keys
-GRPO_SCHEMA: dict[str, Any] = {
-    "output_dir": Key("str"),
-    "checkpoint_dir": Key("str", required=False),  # referenced by ${checkpoint_dir} in configs
-    # torch.manual_seed takes [-2**63, 2**64); rank r seeds seed + r, so the top half is kept free
-    "seed": Key("int", _in_range(-2**63, 2**63 - 1)),
-    "device": Key("str", _device),
-    "dtype": Key("choice", choices=("fp32", "bf16", "fp64")),
-    "num_steps": Key("int", _at_least(1)),
-    "groups_per_step": Key("int", _at_least(1)),
-    "group_size": Key("int", _group_size),
-    "rollout_batch_rows": Key("int", _at_least(1), nullable=True, required=False),
-    "max_generated_tokens": Key("int", _at_least(1)),
-    "temperature": Key("float", _temperature),
-    "top_k": Key("int", _at_least(1), nullable=True),
-    "top_p": Key("float", _unit_interval, nullable=True, required=False),
-    "rollout_share_prompt": Key("bool", nullable=True, required=False),
-    "rollout_steps_per_graph": Key("int", _at_least(1), required=False),
-    "rollout_release_cache": Key("bool", required=False),
-    "micro_batch_groups": Key("int", _at_least(1)),
-    "max_tokens_per_micro_batch": Key("int", _at_least(1), nullable=True, required=False),
-    "max_grad_norm": Key("float", _positive),
-    "updates_per_step": Key("int", _at_least(1), required=False),
-    "scale_advantages": Key("bool", required=False),
-    "dynamic_sampling": Key("bool"),
-    "overlong_filter": Key("bool", required=False),
-    "overlong": {"max_len": Key("int", _at_least(1)), "cache_len": Key("int", _at_least(0))},
-    "save_every": Key("int", _at_least(0)),
-    "save_final_checkpoint": Key("bool", required=False),
-    "resume_from_checkpoint": Key("bool"),
-    "overwrite_output_dir": Key("bool", required=False),
-    "enable_activation_checkpointing": Key("bool", required=False),
-    "fsdp_reshard_after_forward": Key("bool", required=False),
-    "peak_tflops": Key("float", _positive, nullable=True, required=False),
-    "dualkv": {"enabled": Key("bool"), "fallback": Key("choice", choices=("error", "dense")),
-               "attention_backend": Key("choice", choices=tuple(KERNELS),
-                                        required=False),
-               "bucket_growth": Key("float", _in_range(1, 4), required=False),
-               "compile_region": Key("choice", choices=("auto", "model", "layer"),
-                                     required=False)},
-    "tokenizer": COMPONENT, "task": COMPONENT, "model": COMPONENT, "loss": COMPONENT,
-    "optimizer": COMPONENT, "metric_logger": COMPONENT,
-    "checkpointer": Key("section", nullable=True, required=False),
-}
-_NULLABLE_SECTIONS = {"overlong"}
-# arguments the recipe passes itself, not the config
-_SUPPLIED = {"task": {"tokenizer"}, "optimizer": {"params"}}
 
 
 def _type_ok(key: Key, value) -> bool:
@@ -180,7 +76,7 @@ class _Checker:
                 continue
             spec = schema[name]
             if isinstance(spec, dict):
-                if value is None and name in _NULLABLE_SECTIONS:
+                if value is None and name in NULLABLE_SECTIONS:
                     continue
                 if not isinstance(value, dict):
                     self.bad(path, f"must be a section of {sorted(spec)}, got {value!r}")
@@ -192,7 +88,7 @@ class _Checker:
             else:
                 self.value(path, spec, value)
         for name, spec in schema.items():
-            required = spec.required if isinstance(spec, Key) else name not in _NULLABLE_SECTIONS
+            required = spec.required if isinstance(spec, Key) else name not in NULLABLE_SECTIONS
             if required and name not in values:
                 self.bad(f"{prefix}{name}", "missing")
 
@@ -228,14 +124,14 @@ class _Checker:
         # keys it does not name are warned about, not refused
         loose = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         known = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD
-                 and p.kind is not inspect.Parameter.VAR_POSITIONAL} - _SUPPLIED.get(path, set())
+                 and p.kind is not inspect.Parameter.VAR_POSITIONAL} - SUPPLIED_BY_RECIPE.get(path, set())
         kinds = parameter_kinds(target)
         for name, given in value.items():
             if name != "_component_" and name not in known:
                 self.unknown(f"{path}.{name}", known, warn=loose)
             elif name in kinds:  # annotated int, float, bool or str: held to it, and no NaN
                 kind, nullable = kinds[name]
-                self.value(f"{path}.{name}", Key(kind, _not_nan if kind == "float" else None,
+                self.value(f"{path}.{name}", Key(kind, not_nan if kind == "float" else None,
                                                  nullable=nullable), given)
 
     def across(self, config: dict):

@@ -1,12 +1,15 @@
 """What keeps a recipe run from losing work: an output directory (or a folder of trained
 weights) that holds an earlier run's is not reused silently (and a replaced run is moved aside,
 not deleted), one output directory serves one live run at a time (RunLock), a checkpoint is
-checked before it is trusted and against the config it is resumed with, and SIGINT / SIGTERM
+written whole or not at all and checked before it is trusted and against the config it is
+resumed with (resume_checks.py), and SIGINT / SIGTERM
 end the run after the current step (the recipe then writes its checkpoint and exits 128 + the
 signal)."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import signal
 import socket
@@ -17,23 +20,13 @@ from pathlib import Path
 
 from ..durable import sync, sync_entry, write_failed
 from .recipe_config import ConfigError
+from .resume_checks import read_resume_checkpoint
 
-__all__ = ["CHECKPOINT_KEYS", "RESUME_FIXED", "SEEDS", "RunFailed", "RunLock", "StopOnSignal",
-           "apply_config_changes", "check_output_dir", "check_resume_config",
-           "check_resume_model", "check_writable_dir", "config_changes",
-           "load_checkpoint", "prepare_output_dir", "read_resume_checkpoint", "replace_earlier_run",
-           "set_aside", "write_checkpoint"]
+log = logging.getLogger(__name__)
 
-CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
-# config keys (and sections) a resumed run must share with its checkpoint: the saved weights and
-# optimizer state only fit these
-RESUME_FIXED = ("model", "tokenizer", "optimizer._component_")
-# keys that say how this run starts, expected to differ from the checkpoint's run: not listed
-_RUN_CONTROL = ("resume_from_checkpoint", "overwrite_output_dir")
-# seeds: a resumed run restores the generators they seeded, so changing them does nothing
-SEEDS = ("seed", "task.seed")
-# keys that name where files are, not what they hold
-_LOCATIONS = ("path", "checkpoint_dir", "output_dir")
+__all__ = ["RunFailed", "RunLock", "StopOnSignal", "check_output_dir", "check_writable_dir",
+           "prepare_output_dir", "replace_earlier_run", "set_aside", "write_checkpoint"]
+
 
 
 def check_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool,
@@ -132,13 +125,26 @@ class RunLock:
                                f"({e.strerror or e}: {e.filename or output_dir})"]) from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # a file system without locks (Lustre mounted without flock: ENOSYS; NFSv3
+                # without lockd: ENOLCK): nothing holds the folder, the run goes on unguarded
+                log.warning("%s=%r: its file system does not support file locks (%s), so a "
+                            "second run started on it would not be refused; make sure no "
+                            "other run uses it", key, str(output_dir), e.strerror or e)
+                self._write_holder(key)
+                return
             self._file.seek(0)
             holder = self._file.read().strip() or "another process"
             self._file.close()
             raise ConfigError([f"{key}={str(output_dir)!r} is in use by another run "
                                f"({holder}); wait for it to end or use another {key}"]) \
                 from None
+        self._write_holder(key)
+
+    def _write_holder(self, key: str) -> None:
+        """Say in the lock file which process holds the folder (another run's error names it)."""
+        output_dir = self._dir
         try:
             self._file.seek(0)
             self._file.truncate()
@@ -185,100 +191,6 @@ def set_aside(paths: list[Path]) -> list[Path]:
     return made
 
 
-def config_changes(saved: dict | None, current: dict) -> dict[str, tuple]:
-    """{dotted key: (checkpoint's value, current value)} for every leaf that differs between
-    the config a checkpoint was written with and the current one ({} for a checkpoint that holds
-    no config)."""
-    if saved is None:
-        return {}
-
-    def leaves(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-        return out
-
-    old, new = leaves(saved), leaves(current)
-    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k) and k not in _RUN_CONTROL}
-
-
-def check_resume_config(path: Path, changes: dict[str, tuple]) -> None:
-    """Raise ConfigError for changes to RESUME_FIXED keys, which the checkpoint cannot follow.
-    A path may move (the same weights copied to another disk): paths are listed, not refused."""
-    fixed = [k for k in changes if any(k == f or k.startswith(f + ".") for f in RESUME_FIXED)
-             and k.rsplit(".", 1)[-1] not in _LOCATIONS]
-    if fixed:
-        raise ConfigError([f"{k}: {changes[k][0]!r} when {path} was written, {changes[k][1]!r} "
-                           "now; a resumed run must keep it (start a new run in another "
-                           "output_dir to change it)" for k in fixed])
-
-
-# config.json fields that say nothing about the architecture (an exported epoch_N names its dtype)
-_NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
-
-
-def check_resume_model(path: Path, state: dict, shapes: dict[str, tuple],
-                       model_config: dict | None) -> None:
-    """The model built for a resumed run must be the checkpoint's: the same weight names and
-    shapes, and, where it was built from a transformers config.json (`model_config`, kept in
-    the checkpoint), the same architecture fields. A ConfigError lists what differs; a changed
-    model.path or checkpoint_dir is a location, so only its contents are compared."""
-    problems = []
-    saved_config = state.get("model_config")
-    if saved_config is not None and model_config is not None:
-        keys = sorted((saved_config.keys() | model_config.keys()) - set(_NOT_ARCHITECTURE))
-        problems += [f"the model's config.json {k}: {saved_config.get(k)!r} when {path} was "
-                     f"written, {model_config.get(k)!r} now"
-                     for k in keys if saved_config.get(k) != model_config.get(k)]
-    saved = {k: tuple(v.shape) for k, v in state["model"].items()}
-    differ = [k for k in sorted(saved.keys() | shapes.keys()) if saved.get(k) != shapes.get(k)]
-    if differ:
-        shown = "; ".join(f"{k} {saved.get(k, 'absent')} -> {shapes.get(k, 'absent')}"
-                          for k in differ[:3])
-        problems.append(f"the model's weights differ from {path}'s in {len(differ)} tensor(s): "
-                        f"{shown}")
-    if problems:
-        raise ConfigError([*problems, "a resumed run must build the checkpoint's model (start a "
-                                      "new run in another output_dir to change it)"])
-
-
-def load_checkpoint(path: Path, *, num_steps: int) -> dict:
-    """The recipe's checkpoint at `path`, or a ConfigError that names what is wrong with it
-    (missing, unreadable, not this recipe's, already at num_steps). The file is never changed."""
-    import torch
-
-    if not path.is_file():
-        raise ConfigError([f"resume_from_checkpoint=true but {path} does not exist"])
-    try:
-        state = torch.load(path, weights_only=True, mmap=True)  # each rank maps, none copies
-    except Exception as e:  # noqa: BLE001 - any failure to read means the same to the user
-        raise ConfigError([f"{path} is not a readable checkpoint ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200]}); it was left untouched"]) from None
-    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise ConfigError([f"{path} is not a checkpoint of this recipe (no {missing}); it was "
-                           "left untouched"])
-    if state["step"] >= num_steps:
-        raise ConfigError([f"num_steps={num_steps}: the checkpoint {path} is at step "
-                           f"{state['step']} already, nothing is left to train; raise "
-                           "num_steps to continue"])
-    return state
-
-
-def read_resume_checkpoint(path: Path, *, num_steps: int, world_size: int,
-                           config: dict) -> tuple[dict, dict]:
-    """load_checkpoint, then the checks a resumed run needs: the same number of ranks, and no
-    change to RESUME_FIXED keys. Returns (state, config_changes)."""
-    state = load_checkpoint(path, num_steps=num_steps)
-    if len(state["rngs"]) != world_size:
-        raise ConfigError([f"{path} was written by {len(state['rngs'])} rank(s); resume it with "
-                           f"the same number, not {world_size}"])
-    changes = config_changes(state.get("config"), config)
-    check_resume_config(path, changes)
-    return state, changes
-
-
 def prepare_output_dir(checkpoint: Path, *, resume: bool, overwrite: bool, num_steps: int,
                        world_size: int, config: dict, weight_dirs: list[Path],
                        log_dir: str | None = None) -> tuple[dict | None, dict]:
@@ -311,26 +223,6 @@ def replace_earlier_run(checkpoint: Path, *, weight_dirs: list[Path],
     if made:
         print(f"overwrite_output_dir=true: the earlier run's checkpoint, weights and logs "
               f"were moved to {', '.join(map(str, made))}", flush=True)
-
-
-def apply_config_changes(optimizer, changes: dict[str, tuple], *, step: int,
-                         announce: bool) -> None:
-    """After the checkpoint's optimizer state is loaded: set the hyperparameters the config
-    changed since (optimizer.lr and the like) on every parameter group, which would otherwise
-    keep the old ones; with `announce`, list every changed setting in one line."""
-    if changes and announce:
-        print(f"resuming step {step} with settings changed since it was saved (the config's "
-              "optimizer settings replace the checkpoint's; one the config no longer sets keeps "
-              "the checkpoint's): " + "; ".join(
-                  f"{k}: {old!r} -> {new!r}" + (" (no effect: the checkpoint's random states "
-                                                 "are restored)" if k in SEEDS else "")
-                  for k, (old, new) in changes.items()), flush=True)
-    for key, (_, value) in changes.items():
-        section, _, name = key.partition(".")
-        if section == "optimizer" and "." not in name and value is not None:
-            for group in optimizer.param_groups:
-                if name in group:
-                    group[name] = value
 
 
 class StopOnSignal:

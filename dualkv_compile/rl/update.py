@@ -100,13 +100,9 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
                     "response truncated under overlong filtering); the step was skipped")
         return StepStats(0.0, 0.0, 0.0, 0.0, stepped=False)
     total_rows = max(total_rows, 1.0)
-    n_micro = int(ddp.all_max(len(batches))[0])
     loss_sum, kl_sum, clip_sum = 0.0, 0.0, 0.0
-    for i in range(n_micro):
-        # a rank with fewer micro-batches (dynamic sampling, a token budget) repeats its first
-        # at weight 0, so that every rank runs the same FSDP collectives
-        rows = batches[i] if i < len(batches) else batches[0]
-        real = i < len(batches) and counted
+    for rows, real in _every_rank_batches(batches):
+        real = real and counted
         if not real:
             weight = 0.0
         elif loss_fn.aggregation == "token":
@@ -150,23 +146,29 @@ def micro_batched_logprobs(policy, tokens: Tensor, mask: Tensor, prompt_len: int
     whole-batch forward compiled lengths of its own, which the recipe's recompile budget did
     not count) and the memory bound of the token budget. Every rank runs the same number of
     forwards (FSDP2's collectives), repeating its first micro-batch where it has fewer; tokens
-    must have rows. Call it under torch.no_grad() for old and reference logprobs."""
+    must have rows (a rank with nothing to train on passes another rank's, as for
+    optimizer_step). Call it under torch.no_grad() for old and reference logprobs."""
+    # counted by the update's plan of the same batch (counters["groups_split"])
     batches = micro_batch_rows(as_padding_mask(mask), prompt_len=prompt_len,
                                group_size=group_size, groups=micro_batch_groups,
-                               max_tokens=max_tokens)
-    if not batches:
-        raise ValueError("tokens has no rows: a rank with nothing to train on passes another "
-                         "rank's rows, as for optimizer_step")
+                               max_tokens=max_tokens, count=False)
     out = None
-    for i in range(int(ddp.all_max(len(batches))[0])):
-        rows = batches[i] if i < len(batches) else batches[0]
+    for rows, real in _every_rank_batches(batches):
         lp = policy.response_logprobs(tokens[rows], prompt_len=prompt_len,
                                       padding_mask=mask[rows], temperature=temperature)
         if out is None:
             out = lp.new_zeros(tokens.shape[0], lp.shape[1])
-        if i < len(batches):
+        if real:
             out[rows] = lp
     return out
+
+
+def _every_rank_batches(batches: list):
+    """(rows, real) for each micro-batch, as many as the rank with most: a rank with fewer
+    (dynamic sampling, a token budget) repeats its first with real=False, to run at weight 0,
+    so that every rank runs the same FSDP collectives."""
+    for i in range(int(ddp.all_max(len(batches))[0])):
+        yield (batches[i], True) if i < len(batches) else (batches[0], False)
 
 
 def _check_rows(tokens: Tensor, prompt_len, **per_row: Tensor) -> int:

@@ -63,6 +63,22 @@ def test_a_group_over_the_budget_is_split_and_pays_its_prompt_per_part():
     assert sorted(x for x in parts if x) == [[6], [7, 8]]
 
 
+def test_the_recipes_logprob_passes_do_not_count_the_batch_again():
+    # old and reference logprobs plan the update's batch again: each step counted its split
+    # groups three times (counters["groups_split"] read 6 for 2 groups)
+    from dualkv_compile.rl import micro_batched_logprobs
+
+    tokens, mask, p = batch()
+    policy = dk.optimize(tiny_model("qwen2_5", vocab=90))
+    dk.counters.clear()
+    with torch.no_grad():
+        micro_batched_logprobs(policy, tokens, mask, p, group_size=3, temperature=1.0,
+                               max_tokens=26)
+    assert dk.counters["groups_split"] == 0
+    dk.plan_micro_batches(mask, prompt_len=p, group_size=3, max_tokens=26)  # the update's
+    assert dk.counters["groups_split"] == 2
+
+
 def test_a_row_over_the_budget_gets_a_micro_batch_of_its_own():
     _, mask, p = batch()
     dk.counters.clear()

@@ -99,6 +99,13 @@ def test_group_size_is_checked():
         pack(tokens, prompt_len=p, padding_mask=mask, group_size=2)
     tokens, mask, p = make_batch([3, 3], [[2, 2], [2, 2]], generator=gen(5))
     assert pack(tokens, prompt_len=p, padding_mask=mask, group_size=2).num_groups == 2
+    # two groups that drew the same prompt merge into one of 2N rows: a valid GRPO batch (it
+    # was refused as "groups of sizes [4, 2]", as if N were wrong)
+    tokens, mask, p = make_batch([6, 4, 6], [[3, 5], [2, 7], [0, 4]], generator=gen(5))
+    tokens[4:6, :p] = tokens[0, :p]
+    assert pack(tokens, prompt_len=p, padding_mask=mask, group_size=2).num_groups == 2
+    with pytest.raises(ValueError, match=r"group_size=3 .* sizes \[4, 2\] .* multiple of 3"):
+        pack(tokens, prompt_len=p, padding_mask=mask, group_size=3)
 
 
 def test_same_tokens_different_padding_side_is_one_group():

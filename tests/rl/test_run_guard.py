@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from recipe_helpers import CONFIG, load_recipe, run
 
 from dualkv_compile.rl.recipe_config import ConfigError, check_recipe_config, instantiate_checked
-from dualkv_compile.rl.run_guard import RunLock, check_output_dir, check_resume_config, set_aside
+from dualkv_compile.rl.resume_checks import NOT_SET, check_resume_config, config_changes
+from dualkv_compile.rl.run_guard import RunLock, check_output_dir, set_aside
 
 
 def test_the_last_step_is_saved_once(tmp_path):
@@ -104,6 +105,51 @@ def test_run_lock_is_refused_while_held_and_free_after():
             RunLock(Path(d) / "out")
         held.release()
         RunLock(Path(d) / "out").release()
+
+
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK"])
+def test_run_lock_on_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch,
+                                                                   caplog, code):
+    # Lustre without flock (ENOSYS), NFSv3 without lockd (ENOLCK): every run was refused as
+    # "in use by another run", naming the holder of a stale lock file
+    import errno
+    import fcntl
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / RunLock.NAME).write_text("pid 4242 on node17, started 2026-01-01 00:00:00\n")
+
+    def no_locks(*args):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING"):
+        lock = RunLock(out)
+    assert "does not support file locks" in caplog.text, caplog.text
+    assert f"pid {os.getpid()} on" in (out / RunLock.NAME).read_text()
+    lock.release()
+
+
+def test_a_resume_tells_changes_from_the_same_setting_written_otherwise():
+    # a default written out, or a class under another import path, was refused as a model or
+    # optimizer change, with a key the checkpoint did not set shown as None
+    tiny = {"_component_": "dualkv_compile.models.tiny.tiny_decoder", "vocab_size": 40}
+    adamw = {"_component_": "torch.optim.AdamW", "lr": 1e-3}
+    saved = {"model": tiny, "optimizer": adamw}
+    same = {"model": tiny | {"num_heads": 4, "max_seq_len": 256},  # tiny_decoder's defaults
+            "optimizer": adamw | {"_component_": "torch.optim.adamw.AdamW"}}
+    assert config_changes(saved, same) == {}
+    changed = {"model": tiny | {"num_heads": 2}, "optimizer": adamw | {"amsgrad": True}}
+    assert config_changes(saved, changed) == {"model.num_heads": (NOT_SET, 2),
+                                              "optimizer.amsgrad": (NOT_SET, True)}
+    with pytest.raises(ConfigError, match=r"model.num_heads: not set when ck.pt was written, 2 "
+                                          r"now; a resumed run must keep it"):
+        check_resume_config("ck.pt", config_changes(saved, changed))
+    # the default of another component is no default of this one
+    other = {"model": tiny | {"_component_": "dualkv_compile.models.qwen3.qwen3",
+                              "num_heads": 4}, "optimizer": adamw}
+    assert "model.num_heads" in config_changes(saved, other)
 
 
 def test_a_new_run_may_not_replace_an_earlier_runs_trained_weights(tmp_path):

@@ -1,6 +1,8 @@
 """The benchmarks' arguments: a bad value is the parser's one line naming it (exit 2) before
 any model is built or anything timed, never a traceback from the middle of the work."""
 
+import json
+
 import pytest
 import torch
 
@@ -105,9 +107,54 @@ def test_mask_forms_without_flash_attn_4_is_one_line(argv, message, monkeypatch,
     assert err.startswith("dualkv bench mask-forms: error: ") and message in err, err
 
 
-def _ragged_tiles(out) -> list[str]:
+def _ragged_tiles(out, *more) -> list[str]:
     # the benchmark that runs without a GPU, and writes --out
-    return ["bench", "ragged", "--tiles-only", "--caps", "256,64", "--seeds", "0", "--out", out]
+    return ["bench", "ragged", "--tiles-only", "--caps", "256,64", *more, "--seeds", "0",
+            "--out", out, "--overwrite"]
+
+
+def test_bench_out_refuses_an_earlier_runs_results(tmp_path, capsys):
+    """OUT.json or OUT.md of an earlier run is not replaced without --overwrite: refused before
+    any work (a Reproduce loop with one OUT kept only its last case, silently)."""
+    out = tmp_path / "r"
+    (tmp_path / "r.md").write_text("earlier")
+    argv = _ragged_tiles(str(out))[:-1]  # without --overwrite
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert (f"--out {out}: {out}.md exists (an earlier run's results); pass --overwrite to "
+            f"replace it, or name another OUT") in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.md"]
+    assert (tmp_path / "r.md").read_text() == "earlier"
+    assert main(argv + ["--overwrite"]) == 0
+    assert (tmp_path / "r.md").read_text().startswith("128 x 128 tiles")
+
+
+def test_an_interrupted_benchmark_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    """OUT.json and OUT.md are written after every row, marked incomplete until the run ends:
+    an interruption (Ctrl-C, a time limit, an out-of-memory error) in a later case keeps the
+    earlier ones (they were written only at the end)."""
+    from dualkv_compile.tools import bench_ragged
+
+    real, calls = bench_ragged.run_case, []
+
+    def run_case(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_ragged, "run_case", run_case)
+    out = tmp_path / "r"
+    assert main(_ragged_tiles(str(out), "512,128", "1024,256")) == 130
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [(x["P_cap"], x["R_cap"]) for x in lines] == [(256, 64), (512, 128)]  # as measured
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["meta"]["incomplete"] is True and saved["rows"] == lines
+    assert "(incomplete: the first 2 rows" in (tmp_path / "r.md").read_text()
+    monkeypatch.undo()
+    assert main(_ragged_tiles(str(out))) == 0  # a finished run is not marked
+    assert "incomplete" not in (tmp_path / "r.json").read_text() + (tmp_path / "r.md").read_text()
 
 
 def test_bench_out_writes_json_and_markdown_together(tmp_path, monkeypatch, capsys):

@@ -111,6 +111,9 @@ def test_bench_ab_prepares_another_commit_that_imports_beside_this_one(tmp_path)
     from dualkv_compile.tools.bench_ab import main
 
     main(["--prepare", "HEAD", "--other-dir", str(tmp_path)])
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()  # recorded in the results' meta
+    assert (tmp_path / "dualkv_other" / "PREPARED_FROM_COMMIT").read_text() == head + "\n"
     script = f"""
 import sys, torch
 sys.path.insert(0, {str(tmp_path)!r})
