@@ -66,7 +66,8 @@ def _check_mask(mask) -> None:
 
 def overlong_penalty(lengths: Tensor, *, max_len: int, cache_len: int) -> Tensor:
     """DAPO soft overlong punishment: 0 up to max_len - cache_len tokens, then falling linearly
-    to -1 at max_len, -1 beyond."""
+    to -1 at max_len, -1 beyond. lengths: a tensor, or a list of lengths."""
+    lengths = torch.as_tensor(lengths)
     if not 0 < cache_len <= max_len:
         raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, "
                          f"max_len={max_len}")

@@ -38,6 +38,8 @@ def test_dynamic_sampling_and_overlong_shaping():
     r = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.3, 0.3]])
     assert groups_with_signal(r).tolist() == [False, True, False]
     pen = overlong_penalty(torch.tensor([5, 8, 9, 10, 12]), max_len=10, cache_len=2)
+    # a list as a user's reward function has it (it raised a bare AttributeError)
+    assert torch.equal(overlong_penalty([5, 8, 9, 10, 12], max_len=10, cache_len=2), pen)
     assert torch.allclose(pen, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
     with pytest.raises(ValueError, match="cache_len=0"):
         overlong_penalty(torch.tensor([1]), max_len=10, cache_len=0)
