@@ -48,7 +48,8 @@ from dualkv_compile.rl.recipe_rollouts import RecipeRollouts
 from dualkv_compile.rl.run_guard import (RunFailed, RunLock, StopOnSignal, prepare_output_dir,
                                          replace_earlier_run)
 from dualkv_compile.rl.rollout_batch import truncated_responses
-from dualkv_compile.rl.update import NonFiniteGradient, micro_batched_logprobs, optimizer_step
+from dualkv_compile.rl.update import (NonFiniteGradient, micro_batched_logprobs, mini_batches,
+                                      optimizer_step)
 from dualkv_compile.rollout import RolloutEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -197,13 +198,6 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         loss_mask = resp_mask & ~truncated[:, None] if cfg.get("overlong_filter") else resp_mask
         # logprobs of softmax(logits / T), the sampling distribution before top-k / top-p
         temp = cfg.temperature
-        # by the update's micro-batches: its packed lengths (graphs) and its memory bound
-        plan = dict(group_size=cfg.group_size, temperature=temp,
-                    micro_batch_groups=cfg.micro_batch_groups,
-                    max_tokens=cfg.get("max_tokens_per_micro_batch"))
-        with torch.no_grad():
-            old = micro_batched_logprobs(self.policy, tokens, mask, p, **plan)
-            ref = micro_batched_logprobs(self.reference, tokens, mask, p, **plan)
         counted = 0 if filler else 1  # a filler rank's rows count in no normaliser or metric
         groups, n = rewards.shape[0], cfg.group_size
         # no more updates than the most groups a rank has (dynamic sampling may keep fewer):
@@ -211,19 +205,24 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         # (a filler rank's groups are another rank's, run at weight 0: not counted here)
         most = int(ddp.all_max(groups * counted)[0])
         updates = min(cfg.get("updates_per_step", 1), max(most, 1))
+        # by the update's micro-batches of each mini-batch: its packed lengths (graphs) and its
+        # memory bound
+        plan = dict(group_size=n, temperature=temp, micro_batch_groups=cfg.micro_batch_groups,
+                    max_tokens=cfg.get("max_tokens_per_micro_batch"), updates=updates)
+        with torch.no_grad():
+            old = micro_batched_logprobs(self.policy, tokens, mask, p, **plan)
+            ref = micro_batched_logprobs(self.reference, tokens, mask, p, **plan)
         taken = []  # the StepStats of the updates that stepped the optimizer
-        for u in range(updates):
-            # the groups in `updates` consecutive mini-batches, an optimizer step each (DAPO's
-            # and veRL's mini-batches): `old` stays the sampling policy's, so from the second
-            # on the ratio leaves 1 and the clipping bounds it. A rank with fewer groups than
-            # updates runs its first group at weight 0 where it has none.
-            lo, hi = groups * u // updates, groups * (u + 1) // updates
-            rows = slice(lo * n, hi * n) if hi > lo else slice(0, n)
+        # the groups in `updates` consecutive mini-batches, an optimizer step each (DAPO's and
+        # veRL's mini-batches): `old` stays the sampling policy's, so from the second on the
+        # ratio leaves 1 and the clipping bounds it. A rank with fewer groups than updates runs
+        # its first group at weight 0 where it has none.
+        for rows, real in mini_batches(groups, n, updates):
             stats = optimizer_step(
                 self.policy, self.loss_fn, self.optimizer, tokens[rows], mask[rows], p,
                 old[rows], ref[rows], advantages[rows], group_size=n, temperature=temp,
                 micro_batch_groups=cfg.micro_batch_groups, max_grad_norm=cfg.max_grad_norm,
-                max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and hi > lo),
+                max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and real),
                 loss_mask=loss_mask[rows])
             if stats.stepped:  # (a skipped update left the weights as they were)
                 self.updates_taken += 1

@@ -11,7 +11,8 @@ from ..rollout import generate_groups, plan_calls
 from .rollout_batch import rollout_batch, truncated_responses
 from .shape_task import EvenTokensTask, IdTokenizer
 from .tasks import CharTokenizer, RepeatLastLetterTask
-from .update import NonFiniteGradient, StepStats, micro_batched_logprobs, optimizer_step
+from .update import (NonFiniteGradient, StepStats, micro_batched_logprobs, mini_batches,
+                     optimizer_step)
 
 __all__ = [
     "CharTokenizer",
@@ -32,6 +33,7 @@ __all__ = [
     "group_advantages",
     "groups_with_signal",
     "micro_batched_logprobs",
+    "mini_batches",
     "optimizer_step",
     "overlong_penalty",
     "peak_bf16_tflops",

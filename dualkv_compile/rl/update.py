@@ -23,7 +23,8 @@ from ..layout.plan import micro_batch_rows
 from ..fsdp import is_sharded
 from . import distributed as ddp
 
-__all__ = ["NonFiniteGradient", "StepStats", "micro_batched_logprobs", "optimizer_step"]
+__all__ = ["NonFiniteGradient", "StepStats", "micro_batched_logprobs", "mini_batches",
+           "optimizer_step"]
 
 log = logging.getLogger(__name__)
 
@@ -138,29 +139,54 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
     return StepStats(loss_sum, kl_sum, clip_sum, grad_norm)
 
 
+def mini_batches(groups: int, group_size: int, updates: int) -> list[tuple[slice, bool]]:
+    """(rows, real) of each of `updates` optimizer steps over a batch of `groups` groups:
+    consecutive runs of whole groups, as equal as possible (DAPO's and veRL's mini-batches). A
+    mini-batch left without a group (fewer groups than updates) gets the first group's rows
+    with real=False, to run at weight 0, so that every rank runs the same collectives."""
+    out = []
+    for u in range(updates):
+        lo, hi = groups * u // updates, groups * (u + 1) // updates
+        out.append((slice(lo * group_size, hi * group_size), True) if hi > lo
+                   else (slice(0, group_size), False))
+    return out
+
+
 def micro_batched_logprobs(policy, tokens: Tensor, mask: Tensor, prompt_len: int, *,
                            group_size: int, temperature: float, micro_batch_groups: int = 1,
-                           max_tokens: int | None = None) -> Tensor:
+                           max_tokens: int | None = None, updates: int = 1) -> Tensor:
     """policy.response_logprobs of the whole batch, computed micro-batch by micro-batch as
-    optimizer_step plans them: the same packed lengths, so the graphs the update compiles (a
-    whole-batch forward compiled lengths of its own, which the recipe's recompile budget did
-    not count) and the memory bound of the token budget. Every rank runs the same number of
+    optimizer_step plans them, over each of the `updates` mini-batches (`mini_batches`) the
+    update steps on: the same packed lengths, so the graphs the update compiles (the whole
+    batch planned at once packs other lengths, which the recipe's recompile budget did not
+    count) and the memory bound of the token budget. Every rank runs the same number of
     forwards (FSDP2's collectives), repeating its first micro-batch where it has fewer; tokens
     must have rows (a rank with nothing to train on passes another rank's, as for
     optimizer_step). Call it under torch.no_grad() for old and reference logprobs."""
-    # counted by the update's plan of the same batch (counters["groups_split"])
-    batches = micro_batch_rows(as_padding_mask(mask), prompt_len=prompt_len,
-                               group_size=group_size, groups=micro_batch_groups,
-                               max_tokens=max_tokens, count=False)
-    out = None
-    for rows, real in _every_rank_batches(batches):
-        lp = policy.response_logprobs(tokens[rows], prompt_len=prompt_len,
-                                      padding_mask=mask[rows], temperature=temperature)
-        if out is None:
-            out = lp.new_zeros(tokens.shape[0], lp.shape[1])
-        if real:
-            out[rows] = lp
-    return out
+    mask = as_padding_mask(mask)
+    updates = integer_arg("updates", updates, 1)
+    group_size = integer_arg("group_size", group_size, 1)
+    if tokens.shape[0] % group_size:
+        raise ValueError(f"tokens has {tokens.shape[0]} rows, not whole groups of "
+                         f"group_size={group_size}")
+    parts = []
+    for mini, real_mini in mini_batches(tokens.shape[0] // group_size, group_size, updates):
+        # counted by the update's plan of the same rows (counters["groups_split"])
+        batches = micro_batch_rows(mask[mini], prompt_len=prompt_len, group_size=group_size,
+                                   groups=micro_batch_groups, max_tokens=max_tokens,
+                                   count=False)
+        out = None
+        for rows, real in _every_rank_batches(batches):
+            lp = policy.response_logprobs(tokens[mini][rows], prompt_len=prompt_len,
+                                          padding_mask=mask[mini][rows],
+                                          temperature=temperature)
+            if out is None:
+                out = lp.new_zeros(mask[mini].shape[0], lp.shape[1])
+            if real:
+                out[rows] = lp
+        if real_mini:
+            parts.append(out)
+    return torch.cat(parts)
 
 
 def _every_rank_batches(batches: list):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dualkv_compile as dk
-from dualkv_compile.rl import GRPOLoss, optimizer_step, truncated_responses
+from dualkv_compile.rl import GRPOLoss, mini_batches, optimizer_step, truncated_responses
 from dualkv_compile.testing import (make_batch, row_by_row_response_logprobs,
                                     same_dtype_numerics, tiny_model)
 
@@ -197,3 +197,42 @@ def test_micro_batched_logprobs_are_the_plain_models(plan, monkeypatch):
         want = row_by_row_response_logprobs(model, tokens, mask, p, temperature=T)
     assert len(calls) == len(batches) + 1 and calls[-1] == calls[0]
     assert (got - want).abs().max() <= TOL
+
+
+def test_logprobs_of_mini_batches_run_the_updates_packed_lengths(monkeypatch):
+    # with updates_per_step > 1 and a token budget, the whole batch planned at once packed
+    # lengths none of the updates' micro-batches have (graphs compiled for nothing): the
+    # logprob passes plan each mini-batch as its update does, and keep the plain values
+    from dualkv_compile.rl import micro_batched_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    # packed sizes 60, 45, 60, 15 at a budget of 123: the whole batch packs [60+60 | 45+15],
+    # its halves [60+45] and [60+15]
+    tokens, mask, p = make_batch([30, 15, 30, 5], [[15, 15], [15, 15], [15, 15], [5, 5]],
+                                 vocab=90, generator=g)
+    model = same_dtype_numerics(tiny_model("qwen2_5", vocab=90)).double()
+    policy = dk.optimize(model)
+    seen = {"logprobs": [], "update": []}
+    forward, loss = policy.response_logprobs, policy.response_loss
+    monkeypatch.setattr(policy, "response_logprobs", lambda t, **kw: seen["logprobs"].append(
+        int(kw["padding_mask"].sum())) or forward(t, **kw))
+    monkeypatch.setattr(policy, "response_loss", lambda t, **kw: seen["update"].append(
+        int(kw["padding_mask"].sum())) or loss(t, **kw))
+    with torch.no_grad():
+        got = micro_batched_logprobs(policy, tokens, mask, p, group_size=2, temperature=T,
+                                     max_tokens=123, updates=2)
+        want = row_by_row_response_logprobs(model, tokens, mask, p, temperature=T)
+    assert (got - want).abs().max() <= TOL
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.2, kl_coef=0.0, aggregation="token")
+    for rows, _ in mini_batches(4, 2, 2):
+        optimizer_step(policy, loss_fn, opt, tokens[rows], mask[rows], p, got[rows], got[rows],
+                       torch.ones(tokens[rows].shape[0], dtype=torch.float64), group_size=2,
+                       temperature=T, max_grad_norm=1e9, max_tokens=123)
+    assert seen["logprobs"] == seen["update"] and len(seen["update"]) == 2, seen
+
+
+def test_mini_batches_are_runs_of_whole_groups():
+    assert mini_batches(5, 3, 2) == [(slice(0, 6), True), (slice(6, 15), True)]
+    # fewer groups than updates: the empty one runs the first group at weight 0
+    assert mini_batches(1, 4, 2) == [(slice(0, 4), False), (slice(0, 4), True)]
