@@ -349,7 +349,10 @@ def recipe_main(cfg: DictConfig) -> None:
     try:
         recipe.train()
     except RunFailed as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # one write, line and newline: every rank prints it, and print's two writes let
+        # another rank's line fall between them
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         recipe.cleanup(failed=True)
         return 1
     recipe.cleanup()

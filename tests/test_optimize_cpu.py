@@ -266,17 +266,19 @@ def test_logprobs_under_inference_mode(attention_backend):
     assert rel_err(lp, row_by_row_response_logprobs(model, tokens, mask, p).detach()) < TOL
 
 
-def test_flash_regions_under_cpu_autocast():
-    # autocast gives fp32 q and k (after RoPE's fp32 tables) and a bf16 v: the CPU form runs
-    # them in fp32 as before, not refused as mixed dtypes (which only CUDA cannot run)
+def test_region_kernels_under_cpu_autocast():
+    # autocast gives fp32 q and k (after RoPE's fp32 tables) and a bf16 v: the CPU forms run
+    # them in fp32 as before, not refused as mixed dtypes (which only CUDA cannot run); the
+    # regions kernel raised aten's bare "expected scalar type Float but found BFloat16"
     model = tiny_model("hf_llama")
     tokens, mask, p = mixed_batch()
     out = {}
-    for backend in ("auto", "flash_regions"):
+    for backend in ("auto", "flash_regions", "regions"):
         wrapper = dk.optimize(model, dk.DualKVConfig(attention_backend=backend))
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
             out[backend] = wrapper.response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     assert torch.allclose(out["auto"], out["flash_regions"], rtol=2e-2, atol=2e-2)
+    assert torch.allclose(out["auto"], out["regions"], rtol=2e-2, atol=2e-2)
 
 
 def test_wrapper_shares_parameters_and_state_dict_keys():

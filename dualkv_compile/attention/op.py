@@ -116,12 +116,14 @@ def _causal_form(q, k, packed, kernel_options, attention_backend) -> bool:
 
 def _segment_tables(packed: PackedBatch, device) -> tuple[Tensor, Tensor]:
     """The 1-D segment tables on `device`; eagerly one pair of objects per batch (cached on
-    it), so that the regions ops read their plan once per batch, not once per call."""
-    def build():
+    it), so that the regions ops read their plan once per batch, not once per call. A batch
+    packed under torch.inference_mode holds inference tensors, which a backward cannot save:
+    outside the mode it gets copies (PackedBatch.on_device)."""
+    if torch.compiler.is_compiling():
         return tuple(x[0].to(device) for x in (packed.segment_ids, packed.prefix_segment_ids))
-
-    return build() if torch.compiler.is_compiling() else packed.cached(("segment_tables", device),
-                                                                        build)
+    return packed.cached("segment_tables", lambda: tuple(
+        packed.on_device(name, device)[0] for name in ("segment_ids", "prefix_segment_ids")),
+        device)
 
 
 def shared_prefix_attention(

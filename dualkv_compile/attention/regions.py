@@ -40,14 +40,24 @@ __all__ = ["empty_output", "plan_of_packed", "plan_of_segments", "regions_backwa
 # aux is what a backward kernel takes besides tensors; None makes the backward find it itself.
 
 def _cpu_forward(q, k, v, causal, scale):
+    # one dtype for the kernel: CPU autocast gives fp32 q and k (after RoPE's fp32 tables) and a
+    # bf16 v, which the plain model's SDPA runs
+    dt = _common_dtype(q, k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale)
+        q.to(dt), k.to(dt), v.to(dt), 0.0, causal, scale=scale)
     return out, lse, None
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale, aux):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.to(accumulation_dtype(q.dtype)), 0.0, causal, scale=scale)
+    dt = _common_dtype(q, k, v)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(dt), q.to(dt), k.to(dt), v.to(dt), out.to(dt), lse.to(accumulation_dtype(dt)),
+        0.0, causal, scale=scale)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+def _common_dtype(q, k, v) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
 
 # cuDNN's backward takes the forward's sequence tables, sizes and dropout seeds. They depend on

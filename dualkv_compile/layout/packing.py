@@ -112,11 +112,14 @@ class PackedBatch:
 
     # ---- moving per-token tensors between the layouts ----------------------------------------
     def on_device(self, name: str, device: torch.device) -> Tensor:
-        """The batch's table `name` (e.g. "group_ids") on `device`, copied once and cached."""
-        key = (name, device)
-        if key not in self._cache:
-            self._cache[key] = getattr(self, name).to(device)
-        return self._cache[key]
+        """The batch's table `name` (e.g. "group_ids") on `device`, copied once and cached. A
+        batch packed under torch.inference_mode holds inference tensors, which autograd cannot
+        save: used outside the mode, the table is a copy."""
+        def build():
+            table = getattr(self, name).to(device)
+            return table.clone() if _inference_outside_the_mode(table) else table
+
+        return self.cached(name, build, device)
 
     def pack(self, x: Tensor, *, dim: int = 1) -> Tensor:
         """[B, L, ...] -> [1, T, ...] (token axis `dim`, batch axis 0): each prompt taken once,
@@ -146,11 +149,22 @@ class PackedBatch:
         out = flat[self.on_device("_unpack_index", x.device)]
         return out.reshape(b, l, *out.shape[1:]).movedim(1, dim)
 
-    def cached(self, key, build):
-        """Per-batch cache for derived objects (block masks): `build()` runs once per key."""
+    def cached(self, key, build, device=None):
+        """Per-batch cache for derived objects (block masks): `build()` runs once per key and
+        inference mode (what it builds inside torch.inference_mode is of no use outside)."""
+        # (Dynamo cannot trace the mode's state; a traced call is not an inference-mode call)
+        key = (key, device, not torch.compiler.is_compiling() and
+               torch.is_inference_mode_enabled())
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+
+def _inference_outside_the_mode(t: Tensor) -> bool:
+    """An inference tensor used outside torch.inference_mode, where autograd cannot save it (a
+    traced call is never one: Dynamo cannot trace the mode's state)."""
+    return not torch.compiler.is_compiling() and t.is_inference() and \
+        not torch.is_inference_mode_enabled()
 
 
 def _row_classes(key: Tensor) -> Tensor:

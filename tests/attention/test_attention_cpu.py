@@ -328,3 +328,41 @@ def test_flash_regions_refuses_integer_inputs():
     q = torch.randint(-3, 4, (1, 2, pb.seq_len, 4))
     with pytest.raises(ValueError, match="needs floating q, k and v .*got torch.int64"):
         shared_prefix_attention(q, q, q, pb, attention_backend="flash_regions")
+
+
+@pytest.mark.parametrize("backend", ["regions", "flash_regions"])
+def test_mixed_float_dtypes_run_as_their_common_dtype(backend):
+    """CPU autocast hands attention fp32 q and k (after RoPE's fp32 tables) and a bf16 v: the
+    region kernels run them as fp32 (regions raised aten's bare dtype error), and every
+    gradient comes back in its input's dtype. ("auto" is SDPA on CPU, which takes them under
+    autocast only, as the plain model's does: test_region_kernels_under_cpu_autocast.)"""
+    g = torch.Generator().manual_seed(14)
+    tokens, mask, p = make_batch([20, 6], [[9, 9, 9], [3, 12]], generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 4, 2, 8, dtype=torch.float32, device="cpu", generator=g)
+    v = v.bfloat16()
+    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
+                                   attention_backend=backend)
+    ref = replicated_forward_backward(q, k, v.float(), pb, mask, cot)
+    assert [x.dtype for x in ours[1:]] == [torch.float32, torch.float32, torch.bfloat16]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(a.float(), b) < 1e-2, (name, rel_err(a.float(), b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_packed_under_inference_mode_trains(backend):
+    """A batch packed once under torch.inference_mode (for the old logprobs) and reused with
+    gradients: flash_regions' backward could not save its inference-mode segment tables (a bare
+    "Inference tensors cannot be saved for backward"), also after a call inside the mode."""
+    g = torch.Generator().manual_seed(15)
+    tokens, mask, p = make_batch([20, 6], [[9, 0, 9], [3, 12]], generator=g)
+    with torch.inference_mode():
+        pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 4, 2, 8, dtype=torch.float64, device="cpu", generator=g)
+    with torch.inference_mode():
+        shared_prefix_attention(q, k, v, pb, attention_backend=backend)
+    ours = packed_forward_backward(shared_prefix_attention, q, k, v, pb, cot,
+                                   attention_backend=backend)
+    ref = replicated_forward_backward(q, k, v, pb, mask, cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
