@@ -6,6 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .arguments import as_index
 from .attention.registry import attention_kernel
 from .attention.kernel_options import validate_kernel_options
 from .layout.buckets import check_bucket_growth
@@ -69,12 +70,16 @@ class DualKVConfig:
     compile_region: str = "auto"
 
     def __post_init__(self):
-        if self.version != 1:
-            raise ValueError(f"DualKVConfig version={self.version!r}: only version 1 exists")
+        if type(self.version) is not int or self.version != 1:
+            raise ValueError(f"DualKVConfig version={self.version!r}: only version 1 (an int) "
+                             f"exists")
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled={self.enabled!r} must be a bool")
-        if not isinstance(self.pad_to, int) or self.pad_to < 128 or self.pad_to % 128:
-            raise ValueError(f"pad_to={self.pad_to!r} must be a positive multiple of 128")
+        pad_to = as_index(self.pad_to)  # a numpy or tensor int too, stored as an int (JSON)
+        if pad_to is None or pad_to < 128 or pad_to % 128:
+            raise ValueError(f"pad_to={self.pad_to!r} must be an integer, a positive multiple "
+                             f"of 128")
+        object.__setattr__(self, "pad_to", pad_to)
         check_bucket_growth(self.bucket_growth)
         kernel = attention_kernel(self.attention_backend)
         if not kernel.flex and self.kernel_options:
@@ -87,8 +92,11 @@ class DualKVConfig:
             raise ValueError(f"fallback={self.fallback!r} is not one of {_FALLBACKS}")
         if self.compile_region not in _REGIONS:
             raise ValueError(f"compile_region={self.compile_region!r} is not one of {_REGIONS}")
-        if not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size!r} must be a positive int")
+        chunk = as_index(self.logprob_chunk_size)  # not a bool: True read as 1 before
+        if chunk is None or chunk < 1:
+            raise ValueError(f"logprob_chunk_size={self.logprob_chunk_size!r} must be a positive "
+                             f"integer")
+        object.__setattr__(self, "logprob_chunk_size", chunk)
         budget = self.activation_memory_budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
             raise ValueError(f"activation_memory_budget={budget!r} must be in (0, 1]")

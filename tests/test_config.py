@@ -26,13 +26,24 @@ def test_kernel_options_are_copied():
 @pytest.mark.parametrize("kwargs,message", [
     ({"version": 2}, "version=2"),
     ({"enabled": 1}, "enabled=1 must be a bool"),
-    ({"pad_to": 100}, "pad_to=100 must be a positive multiple of 128"),
+    ({"pad_to": 100}, "pad_to=100 must be an integer, a positive multiple of 128"),
     ({"bucket_growth": 0.9}, "bucket_growth=0.9 must be a number in"),
     ({"bucket_growth": True}, "bucket_growth=True must be a number in"),
     ({"backend": "tvm"}, "backend='tvm' is not one of"),
     ({"attention_backend": "cudnn"}, "attention_backend='cudnn' is not one of"),
     ({"fallback": "ignore"}, "fallback='ignore' is not one of"),
     ({"logprob_chunk_size": 0}, "logprob_chunk_size=0"),
+    # bools were accepted as 1, and failed at the first call under another name
+    ({"logprob_chunk_size": True}, "logprob_chunk_size=True must be a positive integer"),
+    ({"version": True}, "version=True"),
+    ({"version": 1.0}, "version=1.0"),
+    # the backward's tile pairs under the bwd_ prefix the tuned tables use
+    ({"kernel_options": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 32}},
+     "bwd_BLOCK_N1=32 must be a multiple of bwd_BLOCK_M1=64"),
+    ({"kernel_options": {"BLOCK_M1": 32, "bwd_BLOCK_M1": 64, "BLOCK_N1": 32}},
+     "BLOCK_N1=32 must be a multiple of bwd_BLOCK_M1=64"),
+    ({"kernel_options": {"bwd_BLOCK_M2": 32, "BLOCK_N2": 64}},
+     "bwd_BLOCK_M2=32 must be a multiple of BLOCK_N2=64"),
     ({"activation_memory_budget": 0}, "activation_memory_budget=0 must be in"),
     ({"activation_memory_budget": 1.5}, "activation_memory_budget=1.5 must be in"),
     ({"kernel_options": {"BLOK_M": 64}}, "unknown kernel option 'BLOK_M'"),
@@ -42,6 +53,18 @@ def test_kernel_options_are_copied():
 def test_validation_names_the_bad_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DualKVConfig(**kwargs)
+
+
+def test_integers_of_numpy_and_torch_are_ints():
+    # numpy and tensor ints, which pack() takes, were refused as "not a positive multiple of
+    # 128" although they were one; stored as ints (the config is JSON)
+    import numpy as np
+    import torch
+
+    cfg = DualKVConfig(pad_to=np.int64(256), logprob_chunk_size=torch.tensor(7))
+    assert (cfg.pad_to, cfg.logprob_chunk_size) == (256, 7)
+    assert type(cfg.pad_to) is int and type(cfg.logprob_chunk_size) is int
+    assert DualKVConfig.from_json(cfg.to_json()) == cfg
 
 
 def test_unknown_json_fields_are_named():

@@ -78,13 +78,22 @@ def validate_kernel_options(options: dict[str, object] | None) -> dict[str, obje
         _check_value(key, base, value, known[base])
         if base.startswith("BLOCK_") and _SPARSE_BLOCK % value:
             raise ValueError(f"kernel option {key}={value} must divide the block size 128")
-    m1, n1 = options.get("BLOCK_M1"), options.get("BLOCK_N1")
+    # the backward kernel's tile pairs, as it sees them (a bwd_ key overrides the plain one;
+    # its template asserts the multiples, which would fail only at compile time)
+    (k_m1, m1), (k_n1, n1), (k_m2, m2), (k_n2, n2) = (
+        _backward_value(options, name) for name in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
+                                                     "BLOCK_N2"))
     if m1 and n1 and n1 % m1:
-        raise ValueError(f"BLOCK_N1={n1} must be a multiple of BLOCK_M1={m1}")
-    m2, n2 = options.get("BLOCK_M2"), options.get("BLOCK_N2")
+        raise ValueError(f"{k_n1}={n1} must be a multiple of {k_m1}={m1}")
     if m2 and n2 and m2 % n2:
-        raise ValueError(f"BLOCK_M2={m2} must be a multiple of BLOCK_N2={n2}")
+        raise ValueError(f"{k_m2}={m2} must be a multiple of {k_n2}={n2}")
     return options
+
+
+def _backward_value(options: dict, name: str) -> tuple[str, object]:
+    """(key, value) of option `name` as the backward kernel takes it."""
+    key = "bwd_" + name if "bwd_" + name in options else name
+    return key, options.get(key)
 
 
 def kernel_options_for(device: torch.device, overrides: dict[str, object] | None = None, *,
