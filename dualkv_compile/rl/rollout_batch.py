@@ -16,7 +16,9 @@ import torch
 from torch import Tensor
 
 from ..arguments import integer_arg
-from ..rollout import RolloutEngine, plan_calls, prompt_mask_of
+from ..rollout import RolloutEngine, SamplingParams, plan_calls, prompt_mask_of
+from ..rollout.engine import check_cache_dtype
+from ..rollout.prompts import describe
 from ..rollout.sampling import stop_ids, stop_mask
 from ..rollout.weights import gathered_weights
 
@@ -40,8 +42,23 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
     sampling settings go to each `engine.generate`. Under FSDP2 the weights are gathered once
     for all calls, and a rank with G = 0 (no rows this round) still joins that gathering,
     returning empty tensors."""
-    stops = stop_ids(stop_tokens, engine.decoder.vocab_size)
+    # checked here, before anything runs: a rank with G = 0 makes no engine call to check them
+    # (it would return while the others refuse), and a bad pad_id or prompts reached
+    # prompt_mask_of's bare errors first
+    vocab = engine.decoder.vocab_size
+    stops = stop_ids(stop_tokens, vocab)
     group_size = integer_arg("group_size", group_size, 1)
+    pad_id = integer_arg("pad_id", pad_id, 0, vocab)
+    max_generated_tokens = integer_arg("max_generated_tokens", max_generated_tokens, 1)
+    if rows_per_call is not None:
+        integer_arg("rows_per_call", rows_per_call, 1)
+    SamplingParams(temperature, top_k, top_p)
+    if dtype is not None:
+        check_cache_dtype(dtype)
+    if not (isinstance(prompts, Tensor) and prompts.dim() == 2
+            and prompts.dtype in (torch.long, torch.int32)):
+        raise ValueError(f"prompts {describe(prompts)} must be [G, P] integer token ids "
+                         f"(G = 0 on a rank with no prompts this round)")
     # the prompt is what the engine samples from: pad_id only in leading and trailing runs
     prompt_mask = prompt_mask_of(prompts, pad_id)
     if len(prompts):  # named by the caller's row here: each call's engine names its own rows

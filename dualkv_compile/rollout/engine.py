@@ -143,7 +143,7 @@ class RolloutEngine:
         max_generated_tokens = integer_arg("max_generated_tokens", max_generated_tokens, 1)
         pad_id = integer_arg("pad_id", pad_id, 0, vocab)  # the fill of finished rows: a token
         if dtype is not None:
-            _check_cache_dtype(dtype)
+            check_cache_dtype(dtype)
         compact, plen, pmax = checked_prompts(prompts, prompt_mask, max_generated_tokens,
                                              pad_id, rng, self.model, self.decoder)
         device = prompts.device
@@ -163,7 +163,7 @@ class RolloutEngine:
             # the dtype the rollout computes in, which the cache and the kernels must match
             weights = next(self.model.parameters()).dtype
             if dtype is None:
-                dtype = _check_cache_dtype(weights)
+                dtype = check_cache_dtype(weights)
             implementation = self._implementation(device, dtype, weights)
             if implementation == "flex" and compiled and not on_cuda:
                 raise ValueError("attention='flex' compiles only on CUDA (Inductor's CPU flex "
@@ -374,7 +374,8 @@ class RolloutEngine:
         return self._graph_gen
 
 
-def _check_cache_dtype(dtype) -> torch.dtype:
+def check_cache_dtype(dtype) -> torch.dtype:
+    """dtype, if the engine can hold its KV cache in it; else a ValueError naming it."""
     if dtype not in _CACHE_DTYPES:
         raise ValueError(f"dtype={dtype!r} (the KV cache's; default the dtype the model computes "
                          f"in) must be one of {_CACHE_DTYPES}")

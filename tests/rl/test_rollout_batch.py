@@ -55,6 +55,35 @@ def test_a_rank_without_prompts_gets_empty_tensors():
     assert mask.dtype == torch.bool
 
 
+@pytest.mark.parametrize("bad,message", [
+    (dict(pad_id=None), r"pad_id=None must be an integer in \[0, "),  # a Llama tokenizer's
+    (dict(pad_id=-1), r"pad_id=-1 must be an integer"),
+    (dict(temperature=0), r"temperature=0 must be a finite number >= 1e-05"),
+    (dict(top_p=1.5), r"top_p=1.5"),
+    (dict(max_generated_tokens=0), r"max_generated_tokens=0 must be an integer >= 1"),
+    (dict(rows_per_call=0), r"rows_per_call=0 must be an integer >= 1"),
+    (dict(dtype=torch.int64), r"dtype=torch.int64 \(the KV cache's"),
+])
+@pytest.mark.parametrize("groups", [0, 2])
+def test_settings_are_checked_on_every_rank_before_anything_runs(groups, bad, message):
+    # a rank with no prompts (G = 0) made no engine call, so it accepted what the ranks with
+    # prompts refused, and left them in a collective; pad_id=None reached prompt_mask_of's
+    # bare AttributeError first
+    prompts = torch.randint(2, VOCAB, (groups, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(group_size=2, pad_id=PAD, max_generated_tokens=3) | bad
+    with pytest.raises(ValueError, match=message):
+        rollout_batch(RolloutEngine(model()), prompts, **kw)
+
+
+@pytest.mark.parametrize("prompts", [torch.tensor([5, 6, 7]), [[5, 6, 7]],
+                                     torch.tensor([[5.0, 6.0]])])
+def test_prompts_that_are_not_a_token_matrix_are_named(prompts):
+    # a 1-D tensor raised a bare IndexError, a list an AttributeError
+    with pytest.raises(ValueError, match=r"must be \[G, P\] integer token ids"):
+        rollout_batch(RolloutEngine(model()), prompts, group_size=2, pad_id=PAD,
+                      max_generated_tokens=3)
+
+
 def test_an_empty_prompt_is_named_by_its_row_in_the_batch():
     prompts = torch.randint(2, VOCAB, (4, 5), generator=torch.Generator().manual_seed(0))
     prompts[3] = PAD
