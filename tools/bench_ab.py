@@ -147,9 +147,10 @@ def main(argv=None, prog=None):
     sys.path.insert(0, args.other_dir)
     sides = {"this": importlib.import_module("dualkv_compile"),
              "other": importlib.import_module(OTHER)}
+    this = _commit_of(os.path.dirname(sides["this"].__file__), working_tree=True)
     meta = environment() | {"heads": args.heads, "kv_heads": args.kv_heads,
                             "head_dim": args.head_dim, "rounds": args.rounds, "rep_ms": args.rep_ms,
-                            "this": _commit_of(os.path.dirname(sides["this"].__file__), working_tree=True),
+                            "this": this or "unknown (this package is not a git checkout)",
                             "other": _prepared_commit(args.other_dir)}
     rows = []
     for name, tokens, mask, plen in layouts(args):
