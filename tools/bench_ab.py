@@ -78,7 +78,10 @@ def _commit_of(path: str, rev: str = "HEAD", *, working_tree: bool = False) -> s
     """The full hash of `rev` in the git checkout holding `path` (None outside one); for the
     working tree, with "+changes" when it has uncommitted changes."""
     def git(*argv):
-        done = subprocess.run(["git", "-C", path, *argv], capture_output=True, text=True)
+        try:
+            done = subprocess.run(["git", "-C", path, *argv], capture_output=True, text=True)
+        except OSError:  # no git executable (a GPU machine's image)
+            return None
         return done.stdout.strip() if done.returncode == 0 else None
 
     commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")

@@ -159,16 +159,16 @@ class _Checker:
                      "constant aggregation divides by it, and responses can be that long")
         model, checkpointer = config.get("model"), config.get("checkpointer")
         if isinstance(model, dict) and isinstance(checkpointer, dict):
-            allowed = ["path", "max_seq_len", "grouped_experts"]  # over config.json
+            allowed = _over_config_json(model.get("_component_"))
             for key in sorted(set(model) - {"_component_", *allowed}):
                 # one line per key, with where it came from; a near miss of an allowed key (no
                 # Qwen3 builder's parameter is one) is a typo: the component check only warned
                 close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
                 if close:
                     self.bad(f"model.{key}", f"unknown key; did you mean {close[0]!r}? (with a "
-                                             "checkpointer the model section sets only path, "
-                                             "max_seq_len and grouped_experts over the "
-                                             "checkpoint's config.json)")
+                                             f"checkpointer the model section sets only "
+                                             f"{', '.join(allowed[:-1])} and {allowed[-1]} over "
+                                             f"the checkpoint's config.json)")
                     continue
                 self.bad(f"model.{key}", "overrides the checkpoint's config.json, which the "
                                          "checkpointer copies into every saved folder "
@@ -184,6 +184,18 @@ class _Checker:
                                     else 1)
             if problem:
                 self.bad("groups_per_step", f"{groups} {problem}")
+
+
+def _over_config_json(component) -> list[str]:
+    """The model keys that may set, beside a checkpointer, what its config.json holds: the
+    path, each builder's own name for the sequence-length limit (which no saved weight or
+    config depends on) and the MoE builder's expert op."""
+    name = component.rsplit(".", 1)[-1] if isinstance(component, str) else None
+    if name == "qwen3_moe_from_hf_config":  # transformers' field names
+        return ["path", "max_position_embeddings", "grouped_experts"]
+    if name == "qwen3_from_hf_config":  # models.qwen3's argument names
+        return ["path", "max_seq_len"]
+    return ["path", "max_seq_len", "grouped_experts"]
 
 
 def _dotted(values: dict, prefix: str = "") -> set[str]:

@@ -56,13 +56,15 @@ def config_changes(saved: dict | None, current: dict) -> dict[str, tuple]:
 
 def _same_setting(key: str, old: dict, new: dict) -> bool:
     """Whether leaf `key`, different as text in the two configs (dotted leaves), means the same:
-    a `_component_` that imports the same object, or a parameter one side leaves out and the
-    other sets to the default of the same component."""
+    a `_component_` that imports the same object, or a parameter of the model or tokenizer one
+    side leaves out and the other sets to the default of the same component. (Not the
+    optimizer's: the checkpoint's param groups hold the value its run used, which a key left
+    out keeps, so a default stated now is a change to apply.)"""
     section, _, name = key.rpartition(".")
     if name == "_component_":
         a, b = (_component(d.get(key)) for d in (old, new))
         return a is not None and a is b
-    if (key in old) == (key in new) or not section:
+    if (key in old) == (key in new) or section.split(".")[0] not in ("model", "tokenizer"):
         return False
     target = _component(old.get(f"{section}._component_"))
     if target is None or target is not _component(new.get(f"{section}._component_")):

@@ -28,8 +28,7 @@ def test_a_misspelt_model_key_beside_a_checkpointer_names_the_near_miss(override
     key = override.split("=")[0]
     assert e.value.problems == [f"{key} (command-line override {override!r}): unknown key; did "
                                 f"you mean {near!r}? (with a checkpointer the model section sets "
-                                "only path, max_seq_len and grouped_experts over the "
-                                "checkpoint's config.json)"]
+                                "only path and max_seq_len over the checkpoint's config.json)"]
 
 
 def test_a_moe_checkpoint_may_run_the_grouped_expert_op(monkeypatch):
@@ -39,6 +38,24 @@ def test_a_moe_checkpoint_may_run_the_grouped_expert_op(monkeypatch):
     assert _checked("qwen3_1_7b_grpo.yaml", "checkpoint_dir=/tmp", "device=cpu",
                     "model._component_=dualkv_compile.models.qwen3_moe_from_hf_config",
                     "model.grouped_experts=true") == []
+
+
+def test_each_builder_takes_its_own_sequence_limit_beside_a_checkpointer(monkeypatch):
+    # the MoE builder takes transformers' max_position_embeddings (max_seq_len passed the check
+    # and failed in the builder, the name it takes was refused); the dense one has no
+    # grouped_experts (it passed the check and failed in the builder)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    moe = ("model._component_=dualkv_compile.models.qwen3_moe_from_hf_config",
+           "checkpoint_dir=/tmp", "device=cpu")
+    warnings = _checked("qwen3_1_7b_grpo.yaml", *moe, "model.max_position_embeddings=4096")
+    assert [w.split(":")[0] for w in warnings] == [  # a **kwargs override, as the builder says
+        "model.max_position_embeddings (command-line override "
+        "'model.max_position_embeddings=4096')"]
+    with pytest.raises(ConfigError, match=r"model.max_seq_len .*overrides the checkpoint's"):
+        _checked("qwen3_1_7b_grpo.yaml", *moe, "model.max_seq_len=4096")
+    with pytest.raises(ConfigError, match=r"model.grouped_experts .*overrides the checkpoint's"):
+        _checked("qwen3_1_7b_grpo.yaml", "checkpoint_dir=/tmp", "device=cpu",
+                 "model.grouped_experts=true")
 
 
 def test_an_overlong_band_past_every_response_is_refused_and_one_cut_short_warned(monkeypatch):

@@ -146,6 +146,10 @@ def test_a_resume_tells_changes_from_the_same_setting_written_otherwise():
     with pytest.raises(ConfigError, match=r"model.num_heads: not set when ck.pt was written, 2 "
                                           r"now; a resumed run must keep it"):
         check_resume_config("ck.pt", config_changes(saved, changed))
+    # an optimizer key stated at its default is a change: the checkpoint's param groups hold
+    # what its run used (a weight_decay of 0 kept by a resume that left the key out)
+    assert config_changes(saved, {"model": tiny, "optimizer": adamw | {"weight_decay": 0.01}}) \
+        == {"optimizer.weight_decay": (NOT_SET, 0.01)}
     # the default of another component is no default of this one
     other = {"model": tiny | {"_component_": "dualkv_compile.models.qwen3.qwen3",
                               "num_heads": 4}, "optimizer": adamw}
