@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["HFTokenizer"]
+__all__ = ["HFTokenizer", "UNKNOWN"]
+
+UNKNOWN = "\ufffd"  # the text of an id the tokenizer cannot decode (the replacement character)
 
 
 class HFTokenizer:
@@ -43,9 +45,11 @@ class HFTokenizer:
         return len(self._tok)
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
-        """The text's ids, after the tokenizer's bos where it adds one (and add_bos)."""
+        """The text's ids, after the tokenizer's bos where it adds one (and add_bos), unless
+        the text begins with it (a chat prompt template that writes <|begin_of_text|>)."""
         ids = self._tok.encode(text, add_special_tokens=False)
-        return ([self.bos_id] if add_bos and self.adds_bos else []) + ids
+        bos = add_bos and self.adds_bos and ids[:1] != [self.bos_id]
+        return ([self.bos_id] if bos else []) + ids
 
     def decode(self, ids) -> str:
         """The text up to the first stop token, without the padding: the leading and trailing
@@ -60,7 +64,18 @@ class HFTokenizer:
         ids = ids[:next((at for at, i in enumerate(ids) if i in self.stop_tokens), len(ids))]
         while ids and ids[-1] == self.pad_id:
             ids.pop()
-        return self._tok.decode(ids, skip_special_tokens=True)
+        # an id the tokenizer has no text for (past its vocabulary in a padded LM head, or its
+        # unk) reads as UNKNOWN: decode drops it, which joined its neighbours ("4", ?, "2" read
+        # as 42) and could score a wrong response as right
+        unk = self._tok.unk_token_id
+        text, run = [], []
+        for i in ids:
+            if not 0 <= i < len(self._tok) or i == unk:
+                text += [self._tok.decode(run, skip_special_tokens=True), UNKNOWN]
+                run = []
+            else:
+                run.append(i)
+        return "".join(text) + self._tok.decode(run, skip_special_tokens=True)
 
 
 def _generation_eos_ids(path) -> list[int]:

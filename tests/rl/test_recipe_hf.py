@@ -27,7 +27,7 @@ def write_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                      eos_token="<eos>")
+                                      eos_token="<eos>", unk_token="<unk>")
     fast.save_pretrained(folder)
 
 
@@ -277,6 +277,21 @@ def test_decode_drops_only_the_padding_runs(checkpoint):
     assert tok.decode(ids) == "xbx"
 
 
+def test_ids_the_tokenizer_cannot_decode_read_as_unknown(checkpoint):
+    # an id past the tokenizer's vocabulary (a padded LM head samples them) or its unk was
+    # dropped, joining its neighbours: "4", ?, "2" read as 42 and scored as the right answer
+    from dualkv_compile.rl.hf_tokenizer import UNKNOWN
+
+    folder, _ = checkpoint
+    tok = HFTokenizer(str(folder))
+    four, two = (tok.encode(c, add_bos=False)[0] for c in "42")
+    unk = tok._tok.unk_token_id
+    for odd in (tok.vocab_size, tok.vocab_size + 100, unk):
+        text = tok.decode([four, odd, two, tok.eos_id])
+        assert text == f"4{UNKNOWN}2" and final_number(text) != "42", (odd, text)
+    assert tok.decode([four, two, tok.eos_id]) == "42"
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer directory"):
         HFTokenizer(str(tmp_path / "nope"))
@@ -395,6 +410,8 @@ def test_bos_is_added_where_the_tokenizer_adds_it(tmp_path, checkpoint):
     fast.save_pretrained(tmp_path / "adds")
     tok = HFTokenizer(str(tmp_path / "adds"))
     assert tok.adds_bos and tok.encode("ab") == [bos, *tok.encode("ab", add_bos=False)]
+    # a prompt template that writes the bos itself (a chat format pasted in) gets no second
+    assert tok.encode("<bos>ab") == tok.encode("ab")
     fast.pad_token = "<bos>"  # bos as the pad: a prompt's bos would read as left padding
     fast.save_pretrained(tmp_path / "bos_pad")
     with pytest.raises(ValueError, match="also its pad id"):
