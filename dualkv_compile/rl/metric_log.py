@@ -144,8 +144,11 @@ def log_step(logger, metrics: dict, step: int):
         logger.log_dict(metrics, step=step)
         return logger
     except OSError as e:
-        print(f"warning: step {step}: the metric log could not be written ({e}); no more "
-              "metrics are logged, training goes on", file=sys.stderr, flush=True)
+        # TensorBoard writes in a background thread, which raises an earlier step's failure at
+        # this call: that step (said in the thread's own traceback) is lost too
+        print(f"warning: step {step}: the metric log could not be written ({e}); this step's "
+              "metrics and possibly earlier ones (TensorBoard writes in a background thread) "
+              "are lost, and no more are logged; training goes on", file=sys.stderr, flush=True)
         close_logger(logger, quiet=True)
         return None
 
