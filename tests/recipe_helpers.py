@@ -3,6 +3,7 @@ recipe run in-process (importable from every test folder: tests/ is on sys.path 
 top conftest.py)."""
 
 import importlib.util
+import string
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -46,3 +47,20 @@ class TorchtuneStyleCheckpointer:
 
     def save_checkpoint(self, state, epoch):
         self.saved.append(epoch)
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A character-level transformers tokenizer (WordLevel over letters, digits and some
+    punctuation; <pad>, <bos>, <eos>, <unk>) saved to `folder`."""
+    import transformers as tf
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    chars = string.ascii_letters + string.digits + " +-*=?.,:#\n"
+    vocab = {t: i for i, t in enumerate([*specials, *dict.fromkeys(chars)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                      eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(folder)

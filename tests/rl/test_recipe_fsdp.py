@@ -119,7 +119,8 @@ def test_real_checkpoint_config_on_two_ranks(tmp_path):
 
     import torch
     import transformers as tf
-    from test_recipe_hf import write_checkpoint, write_tokenizer
+    from recipe_helpers import write_tokenizer
+    from test_recipe_hf import write_checkpoint
 
     from dualkv_compile.rl import HFTokenizer
 

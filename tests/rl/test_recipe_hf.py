@@ -2,7 +2,6 @@
 files and a JSONL math dataset, written here, run for two steps through the Qwen3-1.7B config."""
 
 import json
-import string
 from pathlib import Path
 
 import pytest
@@ -12,23 +11,9 @@ from omegaconf import OmegaConf
 
 from dualkv_compile.rl import HFTokenizer, MathJSONLTask, final_number
 
-from recipe_helpers import load_recipe
+from recipe_helpers import load_recipe, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-CHARS = list(string.ascii_letters + string.digits + " +-*=?.,:#\n")
-
-
-def write_tokenizer(folder: Path) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {t: i for i, t in enumerate([*specials, *dict.fromkeys(CHARS)])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                      eos_token="<eos>", unk_token="<unk>")
-    fast.save_pretrained(folder)
 
 
 def write_checkpoint(folder: Path, vocab: int, intermediate_size: int = 64) -> None:
@@ -256,47 +241,6 @@ def test_a_dataset_line_that_is_not_json_is_named(tmp_path, checkpoint):
         MathJSONLTask(HFTokenizer(str(folder)), path=str(data))
 
 
-def test_a_generation_configs_eos_list_stops_responses(checkpoint):
-    import json
-
-    folder, _ = checkpoint
-    tok = HFTokenizer(str(folder))
-    end_of_turn = tok.encode("z", add_bos=False)[0]  # any ordinary id stands in for it
-    (folder / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [tok.eos_id, end_of_turn]}))
-    tok = HFTokenizer(str(folder))
-    assert tok.stop_tokens == tuple(sorted({tok.eos_id, end_of_turn}))
-    assert tok.decode(tok.encode("abzcd", add_bos=False)) == "ab"
-
-
-def test_decode_drops_only_the_padding_runs(checkpoint):
-    folder, _ = checkpoint
-    tok = HFTokenizer(str(folder))
-    tok.pad_id = tok.encode("b", add_bos=False)[0]  # an ordinary id as the pad token
-    ids = [tok.pad_id] + tok.encode("xbx", add_bos=False) + [tok.pad_id] * 2
-    assert tok.decode(ids) == "xbx"
-
-
-def test_ids_the_tokenizer_cannot_decode_read_as_unknown(checkpoint):
-    # an id past the tokenizer's vocabulary (a padded LM head samples them) or its unk was
-    # dropped, joining its neighbours: "4", ?, "2" read as 42 and scored as the right answer
-    from dualkv_compile.rl.hf_tokenizer import UNKNOWN
-
-    folder, _ = checkpoint
-    tok = HFTokenizer(str(folder))
-    four, two = (tok.encode(c, add_bos=False)[0] for c in "42")
-    unk = tok._tok.unk_token_id
-    for odd in (tok.vocab_size, tok.vocab_size + 100, unk):
-        text = tok.decode([four, odd, two, tok.eos_id])
-        assert text == f"4{UNKNOWN}2" and final_number(text) != "42", (odd, text)
-    assert tok.decode([four, two, tok.eos_id]) == "42"
-
-
-def test_missing_files_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer directory"):
-        HFTokenizer(str(tmp_path / "nope"))
-
-
 def test_a_save_that_fails_midway_leaves_the_saved_folder_whole(tmp_path, checkpoint,
                                                                  monkeypatch):
     from dualkv_compile.models import Qwen3HFCheckpointer
@@ -322,17 +266,6 @@ def test_a_save_that_fails_midway_leaves_the_saved_folder_whole(tmp_path, checkp
     saver.save_checkpoint(state, epoch=3)  # the next save replaces it and clears the leftovers
     assert sorted(p.name for p in out.iterdir()) == ["epoch_3"]
     assert (first / "model.safetensors").read_bytes() == before  # the same weights again
-
-
-def test_decode_strips_left_padding_when_the_pad_id_is_a_stop_id(checkpoint):
-    # pad = eos when a tokenizer has no pad token (Qwen3's pad is in its eos list too): the
-    # leading padding of a left-padded row is not the stop
-    folder, _ = checkpoint
-    tok = HFTokenizer(str(folder))
-    tok.pad_id = tok.stop_tokens[0]
-    body = tok.encode("what is 2+2?", add_bos=False)
-    row = [tok.pad_id] * 3 + body + [tok.stop_tokens[0]] + [7, 7]
-    assert tok.decode(row) == tok.decode(body) != ""
 
 
 def _dataset(tmp_path, *rows):
@@ -395,27 +328,6 @@ def test_a_byte_order_mark_and_a_directory(tmp_path, checkpoint):
     assert MathJSONLTask(HFTokenizer(str(folder)), path=str(data)).answers == ["2"]
     with pytest.raises(IsADirectoryError, match="is a directory; path= takes a JSONL file"):
         MathJSONLTask(HFTokenizer(str(folder)), path=str(tmp_path))  # said "does not exist"
-
-
-def test_bos_is_added_where_the_tokenizer_adds_it(tmp_path, checkpoint):
-    from tokenizers import processors
-
-    folder, _ = checkpoint
-    tok = HFTokenizer(str(folder))  # names a bos, adds none itself
-    assert not tok.adds_bos and tok.encode("ab") == tok.encode("ab", add_bos=False)
-    fast = tf.PreTrainedTokenizerFast.from_pretrained(folder)
-    bos = fast.bos_token_id
-    fast.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", bos)])
-    fast.save_pretrained(tmp_path / "adds")
-    tok = HFTokenizer(str(tmp_path / "adds"))
-    assert tok.adds_bos and tok.encode("ab") == [bos, *tok.encode("ab", add_bos=False)]
-    # a prompt template that writes the bos itself (a chat format pasted in) gets no second
-    assert tok.encode("<bos>ab") == tok.encode("ab")
-    fast.pad_token = "<bos>"  # bos as the pad: a prompt's bos would read as left padding
-    fast.save_pretrained(tmp_path / "bos_pad")
-    with pytest.raises(ValueError, match="also its pad id"):
-        HFTokenizer(str(tmp_path / "bos_pad"))
 
 
 def test_a_resume_over_a_changed_dataset_says_so(tmp_path, checkpoint, caplog):
