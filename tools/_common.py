@@ -16,9 +16,9 @@ from pathlib import Path
 from .models import CliError
 
 __all__ = ["OneLineParser", "add_out_argument", "add_shapes_argument", "check_out_path",
-           "environment", "interleaved_medians", "is_number", "parse_caps", "parse_ragged_case",
-           "parse_shape", "positive_float", "positive_int", "ragged_only", "ResultsWriteError",
-           "save_progress", "seed_int", "unknown_flag", "write_results"]
+           "environment", "interleaved_medians", "is_number", "non_negative_float", "parse_caps",
+           "parse_ragged_case", "parse_shape", "positive_float", "positive_int", "ragged_only",
+           "ResultsWriteError", "save_progress", "seed_int", "unknown_flag", "write_results"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -90,12 +90,22 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (a divisor, such as a peak TFLOP/s)."""
+    return _finite_float(text, above_zero=True)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a threshold, such as a minimum gain)."""
+    return _finite_float(text, above_zero=False)
+
+
+def _finite_float(text: str, *, above_zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < math.inf:  # nan fails this too
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number above 0")
+    if not ((0 < value if above_zero else 0 <= value) and value < math.inf):  # nan fails too
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number "
+                                         f"{'above 0' if above_zero else '>= 0'}")
     return value
 
 

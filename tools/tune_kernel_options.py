@@ -12,9 +12,7 @@ every timing to OUT.json. Candidates that fail to compile (shared memory) are re
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import pprint
 
 import torch
@@ -23,7 +21,8 @@ from tqdm import tqdm
 from dualkv_compile import pack, shared_prefix_attention
 from dualkv_compile.attention.kernel_options import validate_kernel_options
 from dualkv_compile.tools._common import (OneLineParser, add_out_argument, environment,
-                                          interleaved_medians, parse_shape, positive_int)
+                                          interleaved_medians, non_negative_float, parse_shape,
+                                          positive_int)
 
 FWD_CANDIDATES = [
     {},  # Inductor's defaults
@@ -94,17 +93,6 @@ def tune_one(head_dim, gqa, args):
             "best_ms": best["ms"], "gain": gain, "chosen": chosen}
 
 
-def _non_negative(text: str) -> float:
-    """--min-gain: a finite number >= 0 (0 keeps any candidate faster than the defaults)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < math.inf:  # nan fails this too
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
-    return value
-
-
 def main(argv=None):
     ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dims", type=positive_int, nargs="+", default=[64, 128, 256])
@@ -114,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--shape", type=parse_shape, default=(16, 2048, 512), metavar="N,P,R")
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--rep-ms", type=positive_int, default=300)
-    ap.add_argument("--min-gain", type=_non_negative, default=0.02,
+    ap.add_argument("--min-gain", type=non_negative_float, default=0.02,
                     help="keep a tuned entry only if it is this much faster than the defaults")
     add_out_argument(ap, suffixes=(".json",))
     args = ap.parse_args(argv)

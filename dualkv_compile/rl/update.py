@@ -171,17 +171,18 @@ def micro_batched_logprobs(policy, tokens: Tensor, mask: Tensor, prompt_len: int
                          f"group_size={group_size}")
     parts = []
     for mini, real_mini in mini_batches(tokens.shape[0] // group_size, group_size, updates):
+        mini_tokens, mini_mask = tokens[mini], mask[mini]
         # counted by the update's plan of the same rows (counters["groups_split"])
-        batches = micro_batch_rows(mask[mini], prompt_len=prompt_len, group_size=group_size,
+        batches = micro_batch_rows(mini_mask, prompt_len=prompt_len, group_size=group_size,
                                    groups=micro_batch_groups, max_tokens=max_tokens,
                                    count=False)
         out = None
         for rows, real in _every_rank_batches(batches):
-            lp = policy.response_logprobs(tokens[mini][rows], prompt_len=prompt_len,
-                                          padding_mask=mask[mini][rows],
+            lp = policy.response_logprobs(mini_tokens[rows], prompt_len=prompt_len,
+                                          padding_mask=mini_mask[rows],
                                           temperature=temperature)
             if out is None:
-                out = lp.new_zeros(mask[mini].shape[0], lp.shape[1])
+                out = lp.new_zeros(mini_mask.shape[0], lp.shape[1])
             if real:
                 out[rows] = lp
         if real_mini:

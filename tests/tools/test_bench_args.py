@@ -228,3 +228,18 @@ def test_ragged_keeps_shapes_given_in_any_spelling(given):
     args = ap.parse_args([])
     ragged_only(ap, args)
     assert args.shapes == [(16, 4096, 1024)]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--min-gain", "0"], "tuning needs a CUDA GPU"),  # parsed: 0 keeps any faster candidate
+    (["--min-gain", "-1"], "argument --min-gain: -1.0 must be a finite number >= 0"),
+    (["--gqa", "3"], "--gqa 3 does not divide --heads 32"),
+    (["--shape", "16,2048"], "shape '16,2048' must be N,P,R"),
+])
+def test_tune_kernel_options_arguments(argv, message, capsys, monkeypatch):
+    from dualkv_compile.tools import tune_kernel_options
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # parsing only, never tuning
+    with pytest.raises(SystemExit) as exit_info:
+        tune_kernel_options.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
