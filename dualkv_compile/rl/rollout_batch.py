@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from ..arguments import integer_arg
-from ..rollout import RolloutEngine, SamplingParams, plan_calls, prompt_mask_of
+from ..rollout import RolloutEngine, SamplingParams, plan_calls
 from ..rollout.engine import check_cache_dtype
-from ..rollout.prompts import describe
+from ..rollout.prompts import check_prompt_ids, valid_prompt_tokens
 from ..rollout.sampling import stop_ids, stop_mask
 from ..rollout.weights import gathered_weights
 
@@ -31,15 +31,18 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
                   rows_per_call: int | None = None, temperature: float = 1.0,
                   top_k: int | None = None, top_p: float | None = None,
                   rng: torch.Generator | None = None, dtype: torch.dtype | None = None,
-                  return_logprobs: bool = False) -> tuple[Tensor, ...]:
+                  return_logprobs: bool = False,
+                  prompt_mask: Tensor | None = None) -> tuple[Tensor, ...]:
     """prompts [G, P] (padded with pad_id) -> (tokens [G * group_size, P + T], padding mask of the
     same shape, response lengths [G * group_size] with the stop token counted), rows group-major;
     with return_logprobs, also each sampled token's logprob [G * group_size, T] (0 after a stop).
 
     A response is valid up to and including its first stop token; tokens outside the mask
     are pad_id. stop_tokens: an id, several, or none (None or empty, as a tokenizer's
-    `stop_tokens` may be). The calls are `plan_calls(G, group_size, rows_per_call)`; the
-    sampling settings go to each `engine.generate`. Under FSDP2 the weights are gathered once
+    `stop_tokens` may be). prompt_mask [G, P] bool: True at each prompt's tokens, as
+    `engine.generate` takes it (default: leading and trailing pad_id stripped); give it where a
+    prompt's own first or last token is pad_id. The calls are
+    `plan_calls(G, group_size, rows_per_call)`; the sampling settings go to each `engine.generate`. Under FSDP2 the weights are gathered once
     for all calls, and a rank with G = 0 (no rows this round) still joins that gathering,
     returning empty tensors."""
     # checked here, before anything runs: a rank with G = 0 makes no engine call to check them
@@ -55,29 +58,28 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
     SamplingParams(temperature, top_k, top_p)
     if dtype is not None:
         check_cache_dtype(dtype)
-    if not (isinstance(prompts, Tensor) and prompts.dim() == 2
-            and prompts.dtype in (torch.long, torch.int32)):
-        raise ValueError(f"prompts {describe(prompts)} must be [G, P] integer token ids "
-                         f"(G = 0 on a rank with no prompts this round)")
-    # the prompt is what the engine samples from: pad_id only in leading and trailing runs
-    prompt_mask = prompt_mask_of(prompts, pad_id)
-    if len(prompts):  # named by the caller's row here: each call's engine names its own rows
-        empty = (~prompt_mask.any(1)).nonzero()[:, 0].tolist()
-        if empty:
-            raise ValueError(f"prompts {empty} hold only pad_id={pad_id}")
+    check_prompt_ids(prompts, min_groups=0)
+    # the prompt is what the engine samples from (by default pad_id only in leading and
+    # trailing runs)
+    prompt_mask = valid_prompt_tokens(prompts, prompt_mask, pad_id)  # the caller's rows named
     calls = plan_calls(prompts.shape[0], group_size, rows_per_call) if len(prompts) else []
     with gathered_weights(engine.model):
         parts = [engine.generate(prompts[first:first + count], group_size=n, pad_id=pad_id,
                                  max_generated_tokens=max_generated_tokens,
                                  stop_tokens=stops or None, temperature=temperature,
                                  top_k=top_k, top_p=top_p, rng=rng, dtype=dtype,
-                                 return_logprobs=True)
+                                 return_logprobs=True,
+                                 prompt_mask=prompt_mask[first:first + count])
                  for first, count, n in calls]
+        # gathered: FSDP2 keeps sharded parameters in their storage dtype
+        logits_dtype = engine.decoder.logits_dtype(next(engine.model.parameters()).dtype)
     width = prompts.shape[1] + max_generated_tokens
     if not parts:
         empty = prompts.new_zeros(0, width)
         none = (empty, empty.bool(), prompts.new_zeros(0))
-        return (*none, empty.float()[:, :max_generated_tokens]) if return_logprobs else none
+        # logprobs in the dtype a rank with prompts gets them (float64 for a float64 model)
+        logprobs = empty[:, :max_generated_tokens].to(logits_dtype)
+        return (*none, logprobs) if return_logprobs else none
     response = torch.cat([tokens for tokens, _ in parts])
     batch = prompts.repeat_interleave(group_size, 0)
     is_stop = stop_mask(response, stops)

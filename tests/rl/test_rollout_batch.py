@@ -55,6 +55,17 @@ def test_a_rank_without_prompts_gets_empty_tensors():
     assert mask.dtype == torch.bool
 
 
+@pytest.mark.parametrize("family", ["qwen2_5", "hf_qwen3"])
+def test_a_rank_without_prompts_gets_logprobs_in_the_dtype_of_one_with_prompts(family):
+    # they were float32 for every model; a transformers model in float64 samples float64
+    model_ = same_dtype_numerics(tiny_model(family, vocab=VOCAB).double().eval())
+    kw = dict(group_size=2, pad_id=PAD, max_generated_tokens=3, return_logprobs=True)
+    with_prompts = rollout_batch(RolloutEngine(model_), torch.full((1, 4), 3), **kw)[3]
+    without = rollout_batch(RolloutEngine(model_), torch.zeros(0, 4, dtype=torch.long), **kw)[3]
+    assert without.shape == (0, 3) and without.dtype == with_prompts.dtype
+    assert with_prompts.dtype == (torch.float64 if family == "hf_qwen3" else torch.float32)
+
+
 @pytest.mark.parametrize("bad,message", [
     (dict(pad_id=None), r"pad_id=None must be an integer in \[0, "),  # a Llama tokenizer's
     (dict(pad_id=-1), r"pad_id=-1 must be an integer"),
@@ -117,5 +128,31 @@ def test_stop_tokens_take_the_engines_forms_and_logprobs_are_joined():
     assert torch.equal(logprobs, by_hand)
     with pytest.raises(ValueError, match="stop_tokens=99 is not a token id"):
         run(99)
-    with pytest.raises(TypeError, match="prompt_mask"):
-        run(EOS, prompt_mask=prompts != PAD)
+
+
+def test_a_prompt_mask_keeps_a_prompts_own_pad_id_tokens():
+    # rollout_batch took no prompt_mask: a prompt whose own first token is pad_id lost it
+    model_ = model()
+    prompts = torch.randint(2, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    prompts[0, 0] = PAD  # the prompt's own token
+    prompts[1, :2] = PAD  # left padding
+    given = torch.ones_like(prompts, dtype=torch.bool)
+    given[1, :2] = False
+    kw = dict(group_size=3, pad_id=PAD, max_generated_tokens=6, stop_tokens=EOS)
+    tokens, mask, _, logprobs = rollout_batch(
+        RolloutEngine(model_), prompts, prompt_mask=given, rng=torch.Generator().manual_seed(5),
+        return_logprobs=True, **kw)
+    assert torch.equal(mask[:, :5], given.repeat_interleave(3, 0))
+    assert tokens[0, 0] == PAD and mask[0, 0]  # kept, where the default strips it
+    by_hand = RolloutEngine(model_).generate(prompts, prompt_mask=given, return_logprobs=True,
+                                             rng=torch.Generator().manual_seed(5), **kw)
+    assert torch.equal(tokens[:, 5:], torch.where(mask[:, 5:], by_hand[0], PAD))
+    assert torch.equal(logprobs, by_hand[1])
+    default = rollout_batch(RolloutEngine(model_), prompts, rng=torch.Generator().manual_seed(5),
+                            **kw)
+    assert not default[1][0, 0]  # without the mask, its first token read as padding
+    with pytest.raises(ValueError, match=r"prompt_mask \(2, 4\) torch.bool"):
+        rollout_batch(RolloutEngine(model_), prompts, prompt_mask=given[:, :4], **kw)
+    with pytest.raises(ValueError, match=r"prompts \[1\] have no token"):
+        rollout_batch(RolloutEngine(model_), prompts,
+                      prompt_mask=given & torch.tensor([[True], [False]]), **kw)
