@@ -105,6 +105,11 @@ def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
     return qwen3(**{**kw, **overrides})
 
 
+# what a recipe may set beside a checkpointer over config.json (models.qwen3's argument name for
+# the sequence limit, which no saved weight or config depends on)
+qwen3_from_hf_config.overrides_beside_checkpoint = ("path", "max_seq_len")
+
+
 _SHAPE_FIELDS = ("vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "hidden_size", "intermediate_size")
 

@@ -78,3 +78,9 @@ def qwen3_moe_from_hf_config(path: str, *, grouped_experts: bool = False, **over
 
         use_grouped_experts(model)
     return model
+
+
+# what a recipe may set beside a checkpointer over config.json: transformers' field name for
+# the sequence limit, and the expert op (neither changes a saved weight or config)
+qwen3_moe_from_hf_config.overrides_beside_checkpoint = (
+    "path", "max_position_embeddings", "grouped_experts")

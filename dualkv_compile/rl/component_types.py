@@ -10,7 +10,7 @@ import typing
 
 import torch
 
-__all__ = ["parameter_kinds"]
+__all__ = ["import_component", "parameter_kinds"]
 
 _KINDS = {int: "int", float: "float", bool: "bool", str: "str"}
 
@@ -34,3 +34,11 @@ def parameter_kinds(target) -> dict[str, tuple[str, bool]]:
         if len(simple) == 1 and simple[0] in _KINDS:
             out[name] = (_KINDS[simple[0]], nullable)
     return out
+
+
+def import_component(path: str):
+    """The object a config's `_component_` path names (torchtune's resolver, as `tune run`
+    instantiates it); raises what the import raises."""
+    from torchtune.config._utils import _get_component_from_path
+
+    return _get_component_from_path(path)

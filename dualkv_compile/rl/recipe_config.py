@@ -14,7 +14,7 @@ import inspect
 import os
 from typing import Callable
 
-from .component_types import parameter_kinds
+from .component_types import import_component, parameter_kinds
 from .recipe_schema import GRPO_SCHEMA, NULLABLE_SECTIONS, SUPPLIED_BY_RECIPE, Key, not_nan
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "instantiate_checked",
@@ -109,9 +109,7 @@ class _Checker:
             self.bad(path, f"must be a section with a _component_, got {value!r}")
             return
         try:
-            from torchtune.config._utils import _get_component_from_path
-
-            target = _get_component_from_path(value["_component_"])
+            target = import_component(value["_component_"])
         except Exception as e:  # noqa: BLE001 - reported as a config problem
             self.bad(f"{path}._component_", f"{value['_component_']!r} cannot be imported "
                                              f"({type(e).__name__}: {e})")
@@ -187,15 +185,14 @@ class _Checker:
 
 
 def _over_config_json(component) -> list[str]:
-    """The model keys that may set, beside a checkpointer, what its config.json holds: the
-    path, each builder's own name for the sequence-length limit (which no saved weight or
-    config depends on) and the MoE builder's expert op."""
-    name = component.rsplit(".", 1)[-1] if isinstance(component, str) else None
-    if name == "qwen3_moe_from_hf_config":  # transformers' field names
-        return ["path", "max_position_embeddings", "grouped_experts"]
-    if name == "qwen3_from_hf_config":  # models.qwen3's argument names
-        return ["path", "max_seq_len"]
-    return ["path", "max_seq_len", "grouped_experts"]
+    """The model keys that may be set beside a checkpointer, over what its config.json holds:
+    those the builder declares in `overrides_beside_checkpoint` (settings no saved weight or
+    config depends on: the path, the sequence-length limit, an op choice), else these."""
+    try:
+        declared = getattr(import_component(component), "overrides_beside_checkpoint", None)
+    except Exception:  # noqa: BLE001 - not importable: the component check names it
+        declared = None
+    return list(declared or ("path", "max_seq_len", "grouped_experts"))
 
 
 def _dotted(values: dict, prefix: str = "") -> set[str]:

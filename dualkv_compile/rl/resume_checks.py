@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+from .component_types import import_component
 from .recipe_config import ConfigError
 
 __all__ = ["CHECKPOINT_KEYS", "NOT_SET", "RESUME_FIXED", "SEEDS", "apply_config_changes",
@@ -82,10 +83,8 @@ def _component(path):
     """The object a `_component_` path names, or None."""
     if not isinstance(path, str):
         return None
-    from torchtune.config._utils import _get_component_from_path
-
     try:
-        return _get_component_from_path(path)
+        return import_component(path)
     except Exception:  # noqa: BLE001 - not importable: compared as text
         return None
 

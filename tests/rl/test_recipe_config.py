@@ -58,6 +58,20 @@ def test_each_builder_takes_its_own_sequence_limit_beside_a_checkpointer(monkeyp
                  "model.grouped_experts=true")
 
 
+def test_the_keys_beside_a_checkpointer_are_those_the_builder_declares(monkeypatch):
+    # they were matched by the builder's name, so another builder could not declare its own
+    from dualkv_compile.models import qwen3_from_hf_config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = ("qwen3_1_7b_grpo.yaml", "checkpoint_dir=/tmp", "device=cpu", "model.rope_base=1e6")
+    with pytest.raises(ConfigError, match=r"model.rope_base .*overrides the checkpoint's"):
+        _checked(*args)
+    monkeypatch.setattr(qwen3_from_hf_config, "overrides_beside_checkpoint",
+                        ("path", "max_seq_len", "rope_base"))
+    assert [w.split(":")[0] for w in _checked(*args)] == [  # a **kwargs key, warned
+        "model.rope_base (command-line override 'model.rope_base=1e6')"]
+
+
 def test_an_overlong_band_past_every_response_is_refused_and_one_cut_short_warned(monkeypatch):
     # tiny_dapo's band (9, 12] with max_generated_tokens=9: a penalty that can never apply, yet
     # the run was accepted and logged as DAPO
