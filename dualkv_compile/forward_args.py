@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layout.batch_checks import as_padding_mask
+from .layout.batch_checks import padding_mask_on
 
 __all__ = ["padding_from_torchtune_mask", "row_positions", "split_forward_args"]
 
@@ -29,22 +29,23 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
     name = "mask" if tt else "attention_mask"
     masks = [kwargs.pop(name, None), kwargs.pop("padding_mask", None)]
     name_given = masks[0] is not None
-    if tt and masks[0] is not None:
-        masks[0] = padding_from_torchtune_mask(adapter, masks[0], positions)
     if not tt:
         if kwargs.pop("use_cache", None):  # False or None: what a training forward passes
             raise ValueError("use_cache=True: the dualkv wrapper returns no KV cache (it runs "
                              "training forwards); pass use_cache=False or leave it out")
-    masks = [as_padding_mask(m) for m in masks if m is not None]
+    if kwargs:  # inputs_embeds among them: packing needs the token ids
+        raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
+    check_tokens(tokens)
+    if tt and masks[0] is not None:
+        masks[0] = padding_from_torchtune_mask(adapter, masks[0], positions)
+    masks = [padding_mask_on(m, tokens) for m in masks if m is not None]
     if not tt and positions is None and name_given:
         _check_no_gaps(masks[0])
     if len(masks) == 2 and not torch.equal(*masks):
         raise ValueError(f"{name} and padding_mask describe different padding")
     padding_mask = masks[0] if masks else None
-    if kwargs:  # inputs_embeds among them: packing needs the token ids
-        raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
-    check_tokens(tokens)
     if positions is not None:
+        positions = positions.to(tokens.device)
         mask = (padding_mask if padding_mask is not None
                 else torch.ones_like(tokens, dtype=torch.bool))
         expected = row_positions(mask)

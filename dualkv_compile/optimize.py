@@ -23,7 +23,7 @@ from .lm_head.gather_rows import gather_rows
 from .layout.inputs import layout_anchor, layout_tables
 from .lm_head.logprobs import chunked_logprobs, chunked_token_loss
 from .lm_head.targets import predictions, row_sources, scatter_responses
-from .layout.batch_checks import as_padding_mask, checked_prompt_len, checked_tokens
+from .layout.batch_checks import padding_mask_on, checked_prompt_len, checked_tokens
 from .layout.packing import PackedBatch, pack
 from .numerics import accumulation_dtype
 from .recompiles import bounded_recompiles
@@ -320,7 +320,7 @@ class DualKVModel(nn.Module):
         if shape is not None and tuple(shape) != want:
             raise ValueError(f"token_loss was built for responses of shape {tuple(shape)}, but "
                              f"these tokens have {want} ([B, L - prompt_len])")
-        padding_mask = None if padding_mask is None else as_padding_mask(padding_mask)
+        padding_mask = None if padding_mask is None else padding_mask_on(padding_mask, tokens)
         mask = padding_mask if padding_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
         if loss_mask is not None:
             _check_loss_mask(loss_mask, mask[:, prompt_len:])

@@ -63,6 +63,12 @@ def as_padding_mask(mask: Tensor) -> Tensor:
     return mask.bool()
 
 
+def padding_mask_on(mask: Tensor, tokens: Tensor) -> Tensor:
+    """as_padding_mask(mask) on the tokens' device: a mask built on the CPU for GPU tokens is
+    moved, in the forward and in the backward's row indices alike."""
+    return as_padding_mask(mask).to(tokens.device)
+
+
 def checked_tokens(tokens) -> Tensor:
     """`tokens` if it is an int64 or int32 tensor [B, L], else ValueError naming what it is
     (uint8 or bool ids would pass the vocabulary check and fail deep inside the model)."""

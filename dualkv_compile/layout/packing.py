@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..arguments import integer_arg
-from .batch_checks import as_padding_mask, checked_prompt_len, checked_runs, checked_tokens
+from .batch_checks import padding_mask_on, checked_prompt_len, checked_runs, checked_tokens
 from .buckets import bucket_count, bucket_length, check_bucket_growth
 
 __all__ = ["PackedBatch", "bucket_count", "bucket_length", "pack"]  # bucket_*: from buckets.py
@@ -232,11 +232,10 @@ def pack(
         group_size = integer_arg("group_size", group_size, 1)
     if padding_mask is None:
         padding_mask = torch.ones_like(tokens, dtype=torch.bool)
-    padding_mask = as_padding_mask(padding_mask)
+    padding_mask = padding_mask_on(padding_mask, tokens)
     if padding_mask.shape != tokens.shape:
         raise ValueError(f"padding_mask shape {tuple(padding_mask.shape)} differs from tokens "
                          f"shape {(b, l)}")
-    padding_mask = padding_mask.to(tokens.device)
 
     p_first, p_len, r_len = checked_runs(padding_mask, prompt_len)
 

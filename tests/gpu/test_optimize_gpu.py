@@ -222,3 +222,23 @@ def test_no_grad_calls_of_a_checkpointed_hf_model_in_train_mode():
     valid = mask[:, p:]
     print(json.dumps({"no_grad_vs_plain_bf16": rel_err(first[valid], plain[valid])}))
     assert rel_err(first[valid], plain[valid]) < 5e-2  # bf16 of two summation orders
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_padding_mask_on_the_cpu_is_taken_with_cuda_tokens(enabled):
+    # the packed backward's row indices and the dense path's positions stayed on the mask's
+    # device: a bare "Expected all tensors to be on the same device" at loss.backward()
+    model = tiny_model("hf_llama", vocab=101).cuda()
+    tokens, mask, p = make_batch([30, 7], [[20, 0, 5], [9, 9]], shuffle=True, vocab=99,
+                                 generator=torch.Generator().manual_seed(0), device="cuda")
+    wrapped = dk.optimize(model, dk.DualKVConfig(backend="eager", enabled=enabled))
+
+    def run(padding_mask):
+        model.zero_grad()
+        lp = wrapped.response_logprobs(tokens, prompt_len=p, padding_mask=padding_mask)
+        lp.sum().backward()
+        logits = wrapped(input_ids=tokens, padding_mask=padding_mask, prompt_len=p).logits
+        return [lp.detach(), logits.detach()] + [q.grad.clone() for q in model.parameters()]
+
+    for on_cuda, on_cpu in zip(run(mask), run(mask.cpu())):
+        torch.testing.assert_close(on_cpu, on_cuda, rtol=1e-5, atol=1e-6)
