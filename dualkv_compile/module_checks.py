@@ -33,7 +33,8 @@ _LIBRARY_METHODS = {"torchtune": ("forward", "unembed", "chunked_output")}
 def check_library_forward(module, library: str, role: str) -> None:
     """dualkv runs `module`'s parts itself (its layers, norm and head), as `library`'s forward
     does, and never calls the module: a subclass whose forward (or a method that forward calls)
-    does more, or a forward hook on the module, would be silently skipped: refuse."""
+    does more, a forward set on the instance, or a forward hook on the module, would be
+    silently skipped: refuse."""
     cls = own_class(module)
     for method in _LIBRARY_METHODS.get(library, ("forward",)):
         owner = next((c for c in cls.__mro__ if method in c.__dict__), None)
@@ -44,6 +45,12 @@ def check_library_forward(module, library: str, role: str) -> None:
                              f"forward does, so that override would not run. Move the change "
                              f"into a module the forward calls (a layer, the norm), or do not "
                              f"subclass")
+    if "forward" in vars(module):  # model.forward = wrapper (accelerate's autocast)
+        raise ValueError(f"{role} {cls.__name__} has its forward replaced on the instance "
+                         f"({_name_of(vars(module)['forward'])}); dualkv runs its embedding, layers, "
+                         f"norm and LM head itself, as {library}'s forward does, so that "
+                         f"forward would not run. Remove it (del model.forward), or move the "
+                         f"change into a module the forward calls")
     hooks = foreign_hooks(module)  # FSDP2's own are run by the wrapper (fsdp.run_as_forward)
     if hooks:
         raise ValueError(f"{role} {cls.__name__} has hooks "
@@ -81,6 +88,13 @@ def check_outside_modules(embedding, norm, head) -> None:
                           f"layers, where its locality is not proven, and allows only "
                           f"{sorted(allowed)} there; this model's is {kind}. Use "
                           f"compile_region='model' (one graph, every op proven)")
+    if getattr(embedding, "scale_grad_by_freq", False) or getattr(
+            embedding, "max_norm", None) is not None:  # as the proof refuses them in a graph
+        raise Refusal(f"the model's embedding has scale_grad_by_freq="
+                      f"{embedding.scale_grad_by_freq} and max_norm={embedding.max_norm}: the "
+                      f"first scales each row's gradient by its id's count in the batch, the "
+                      f"second renormalises the looked-up rows in place, and packing changes "
+                      f"both the counts and the set")
     unproven = "where their locality is not proven"
     for role, module, where in (
             ("embedding", embedding, unproven), ("final norm", norm, unproven),
@@ -108,3 +122,7 @@ def check_head_hooks(head) -> None:
                          f"response_loss (enabled=False, or fallback='dense') applies its "
                          f"weight itself, so they would not run. Remove them, or hook a module "
                          f"inside the model")
+
+
+def _name_of(fn) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)

@@ -70,13 +70,19 @@ class IndexingRules:
                 in_dim += 1
                 continue
             if in_dim == src_ax:
-                if not (isinstance(i, slice) and i == slice(None)):
+                if not self.whole_axis(i):
                     self.refuse(node, f"it indexes the sequence axis with {i!r}")
                 result = out_dim
             if isinstance(i, slice):
                 out_dim += 1
             in_dim += 1
         return result
+
+    def whole_axis(self, i) -> bool:
+        """Whether index i keeps all T packed tokens, in order: x[:, :], x[:, 0:], x[:, :T]
+        (x[:, :x.shape[1]], which each row reads as its own whole length too)."""
+        return isinstance(i, slice) and i.step in (None, 1) and i.start in (None, 0) and (
+            i.stop is None or (type(i.stop) is int and i.stop >= self.t))
 
     def cat(self, node, out):
         tensors = arg_of(node, 0, "tensors")

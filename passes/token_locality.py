@@ -45,6 +45,7 @@ _POINTWISE = {
     "__and__", "__or__", "__invert__", "lerp", "tanh_", "sigmoid_", "gelu_", "relu_",
     "addcmul", "requires_grad_", "itruediv", "idiv",
 }
+_CASTS = {"to", "type_as", "type"}
 # attributes read off a tensor: metadata (no data), or a transpose of it
 _METADATA_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
 _TRANSPOSE_ATTRS = {"T", "mT", "H", "mH"}
@@ -59,6 +60,9 @@ _EXPANDS = {"expand", "expand_as", "broadcast_to"}
 _SHAPE_QUERIES = {"size", "dim", "numel", "_log_api_usage_once", "is_floating_point",
                   "get_device"}
 _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
+# ops that cut or widen a tensor's axes (to the packed length T: note_length_axis)
+_RESIZES = {"getitem", "narrow", "expand", "expand_as", "broadcast_to", "repeat", "tile",
+            "new_ones", "new_zeros", "new_full", "new_empty"}
 _SHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_",
                    "resize_", "resize_as_", "as_strided_", "set_", "unflatten_", "flatten_"}
 
@@ -93,6 +97,8 @@ class _Proof(IndexingRules, ProductRules):
         ndim = out.dim()
         found = None
         tensors = [a for a in node.all_input_nodes if isinstance(example(a), Tensor)]
+        if op_name(node) in _CASTS:  # x.to(w), x.type_as(w): w gives a dtype and device only
+            tensors = tensors[:1]
         for a in tensors:
             ax = self.tok(a)
             if ax is not None:
@@ -117,14 +123,32 @@ class _Proof(IndexingRules, ProductRules):
         return found
 
     def no_length_axis(self, node, a):
-        """A tensor built in the graph from no input at all (factory ops and constants) with an
-        axis of the packed length T, meeting token data: arange(T) or ones(D, T), made from the
-        sequence length, which each row had as its own. (A tensor computed from a weight or
-        buffer may have that size by chance: RoPE's inv_freq at head dim 256, DoRA's scale.)"""
-        if a in self.built_from_nothing and self.t > 1 and self.t in example(a).shape:
+        """A tensor without tokens with an axis of the packed length T made from that length
+        (see note_length_axis), meeting token data: arange(T), ones(D, T), a table cut to T,
+        made from the sequence length, which each row had as its own."""
+        if a in self.length_axis:
             self.refuse(node, f"operand {a.name} {tuple(example(a).shape)} is built in the "
                               f"graph with an axis of the packed length T={self.t} (e.g. "
                               f"arange over the sequence); each row has its own length")
+
+    def note_length_axis(self, node):
+        """Follow the tensors without tokens that have an axis of the packed length T made from
+        it: built in the graph from no input (arange(T), ones(D, T)), cut or widened to T by
+        indexing or expanding (pos_table[:T], c.expand(T)), and what is computed from those
+        keeping such an axis (arange(T) * alpha). Not a tensor computed from weights or buffers
+        alone, which may have that size by chance: RoPE's inv_freq at head dim 256, a LoRA
+        product, DoRA's scale."""
+        out = example(node)
+        if (self.t <= 1 or node.op not in ("call_function", "call_method")
+                or not isinstance(out, Tensor) or self.t not in out.shape):
+            return
+        inputs = node.all_input_nodes
+        src = example(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        if (all(i in self.built_from_nothing for i in inputs)
+                or any(i in self.length_axis for i in inputs)
+                or (op_name(node) in _RESIZES and isinstance(src, Tensor)
+                    and list(out.shape).count(self.t) > list(src.shape).count(self.t))):
+            self.length_axis.add(node)
 
     def dropout(self, node, out):
         """Dropout in training draws one mask per packed element: the N rows of a group would
@@ -137,6 +161,19 @@ class _Proof(IndexingRules, ProductRules):
                               f"which the N rows sharing a prompt would share; call model.eval()"
                               f" or set the dropout to 0 for the policy update")
         return self.pointwise(node, out)
+
+    def embedding_options(self, node, functional):
+        """scale_grad_by_freq divides each row's gradient by how often its id occurs in the
+        batch, which packing changes (a prompt's tokens once instead of N times); max_norm
+        renormalises, in place, the rows of the ids looked up, padding's included."""
+        by_freq = arg_of(node, 5 if functional else 3, "scale_grad_by_freq", False)
+        max_norm = arg_of(node, 3, "max_norm", None) if functional else None
+        if by_freq:
+            self.refuse(node, "an embedding with scale_grad_by_freq=True scales each row's "
+                              "gradient by its id's count in the batch, which packing changes")
+        if max_norm is not None:
+            self.refuse(node, f"an embedding with max_norm={max_norm} renormalises the looked-up "
+                              f"rows of its weight in place, a set which packing changes")
 
     def inner_of(self, x) -> int:
         return self.inner.get(x, 1) if isinstance(x, fx.Node) else 1
@@ -229,7 +266,9 @@ class _Proof(IndexingRules, ProductRules):
             return None
         self.checked += 1
         name, out = op_name(node), example(node)
-        first = node.args[0] if node.args else None
+        # the data argument: first positional, or by keyword (F.layer_norm(input=x, ...))
+        first = node.args[0] if node.args else node.kwargs.get(
+            "input", node.kwargs.get("self"))
         inp = example(first) if isinstance(first, fx.Node) else None
         ax = self.tok(first)
         if _is_attention(node):
@@ -279,6 +318,7 @@ class _Proof(IndexingRules, ProductRules):
             weight = arg_of(node, 1 if functional else 0, "weight")
             if self.tok(weight) is not None:
                 self.refuse(node, "the embedding table carries tokens")
+            self.embedding_options(node, functional)
             return self.tok(ids)
         if node.target in token_local_ops():
             return self.token_local_op(node)
@@ -317,12 +357,13 @@ class _Proof(IndexingRules, ProductRules):
             if node.op in ("call_method", "call_function") and op_name(node) in _SHAPE_IN_PLACE:
                 self.refuse(node, "an in-place shape change makes the recorded shapes the "
                                   "proof reads stale; use the out-of-place op")
-        self.built_from_nothing = set()
+        self.built_from_nothing, self.length_axis = set(), set()
         for node in graph.nodes:
             self._inner_out = None
             if node.op in ("call_function", "call_method") and all(
                     i in self.built_from_nothing for i in node.all_input_nodes):
                 self.built_from_nothing.add(node)
+            self.note_length_axis(node)
             try:
                 ax = self.visit(node)
             except Refusal:

@@ -1,0 +1,82 @@
+"""The locality proof on the sequence length and on ops it once misread: a tensor without
+tokens that has an axis of the packed length T made from it (arange(T) with a buffer added, a
+table cut to T) is refused where it meets token data, as are embeddings whose gradient or weight
+depends on the batch's id counts; casts to a weight's dtype, a slice over the whole sequence and
+keyword-only arguments are token-local and kept, exact in float64."""
+
+import pytest
+import torch
+from test_locality_soundness import _mixed_model
+
+import dualkv_compile as dk
+from dualkv_compile.passes._common import Refusal
+from dualkv_compile.testing import row_by_row_response_logprobs
+
+_OFFSET = torch.tensor(3.0, dtype=torch.float64)
+_TABLE = torch.randn(512, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+
+def _arange_plus_a_buffer(x):  # arange(T) was followed only while built from nothing
+    t = x.shape[1]
+    return x + 1e-3 * (x[..., None] * (torch.arange(t, dtype=x.dtype) + _OFFSET)).sum(-1)
+
+
+def _table_cut_to_the_length(x):  # a position table sliced to T, on an axis of its own
+    return x + 1e-2 * (x[..., None] * _TABLE[:x.shape[1]]).sum(-1)
+
+
+def _constant_expanded_to_the_length(x):
+    return x + 1e-2 * (x[..., None] * _OFFSET.expand(x.shape[1])).sum(-1)
+
+
+@pytest.mark.parametrize("mix", [_arange_plus_a_buffer, _table_cut_to_the_length,
+                                 _constant_expanded_to_the_length],
+                         ids=lambda f: f.__name__.lstrip("_"))
+def test_an_axis_of_the_packed_length_made_from_it_is_refused(mix):
+    # each returned wrong logprobs (by up to 24) without a refusal
+    model, tokens, mask, p = _mixed_model(mix)
+    with pytest.raises(Refusal, match=r"axis of the packed length T=128"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+@pytest.mark.parametrize("option,value", [("scale_grad_by_freq", True), ("max_norm", 1.0)])
+@pytest.mark.parametrize("region", ["model", "layer"])
+def test_an_embedding_that_depends_on_the_batchs_id_counts_is_refused(option, value, region):
+    # scale_grad_by_freq was accepted: exact logprobs, embedding gradients off by 0.97
+    model, tokens, mask, p = _mixed_model(lambda x: x)
+    setattr(model.tok_embeddings, option, value)
+    with pytest.raises(Refusal, match=f"{option}"):
+        dk.optimize(model, dk.DualKVConfig(compile_region=region)).response_logprobs(
+            tokens, prompt_len=p, padding_mask=mask)
+
+
+def _cast_like_a_weight(x):  # refused: "has its own sequence axis of length 32"
+    return x.type_as(_SQUARE) * 2.0 + x.to(_SQUARE)
+
+
+_SQUARE = torch.eye(32, dtype=torch.float64)
+
+
+def _whole_sequence_slice(x):  # x[:, :T] and x[:, 0:]: refused as indexing the sequence
+    return x[:, :x.shape[1]] * 0.5 + x[:, 0:] * 0.5
+
+
+def _keyword_only_norm(x):  # refused: token data through an argument with no rule
+    return torch.nn.functional.layer_norm(input=x, normalized_shape=(x.shape[-1],))
+
+
+@pytest.mark.parametrize("mix", [_cast_like_a_weight, _whole_sequence_slice, _keyword_only_norm],
+                         ids=lambda f: f.__name__.lstrip("_"))
+def test_token_local_forms_once_refused_are_kept_exact(mix):
+    model, tokens, mask, p = _mixed_model(mix)
+    weights = torch.randn(tokens.shape[0], tokens.shape[1] - p, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1))
+    ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    (ours * weights).sum().backward()
+    got = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    (theirs * weights).sum().backward()
+    assert (ours - theirs).abs().max() < 1e-10
+    for a, q in zip(got, model.parameters()):
+        assert (a - q.grad).abs().max() < 1e-10
