@@ -236,7 +236,7 @@ class RolloutEngine:
         engine read the model: check the model again and drop what was built on the old
         modules (the compiled steps and the workspaces, whose graphs call them)."""
         if not self.decoder.changed():
-            self.decoder.check_hooks()  # a hook registered since the model was read
+            self.decoder.check_nothing_skipped()  # a hook or override since the last read
         else:
             self.decoder = decoder_for(self.model)
             self._steps.clear()

@@ -67,19 +67,31 @@ class _Modules:
         return len(now) != len(self._built_from) or any(
             a is not b for a, b in zip(now, self._built_from))
 
-    def check_hooks(self) -> None:
-        """The engine runs each layer's parts itself, never the layer or its attention module:
-        hooks on those would be skipped, and the rollout would sample another model than the
-        one the update trains (an activation-steering hook): refuse, naming them."""
+    def check_nothing_skipped(self) -> None:
+        """The engine runs each layer's parts itself and never calls the model, its decoder, a
+        layer or its attention module: a hook on one of those, or a forward one overrides (in a
+        subclass, or set on the instance), would be skipped, and the rollout would sample
+        another model than the one the update trains (activation steering): refuse, naming
+        it. Run when the model is read and at every call."""
+        for module, role in self._callers():
+            _library_forward(module, self._LIBRARY, role, self.model)
         for i, layer in enumerate(self._raw_layers()):
-            attention = getattr(_unwrap(layer), self._ATTENTION)
-            for part, module in ((f"layer {i}", layer), (f"layer {i}", _unwrap(layer)),
-                                 (f"layer {i}'s attention", attention)):
+            inner = _unwrap(layer)
+            _library_forward(inner, self._LIBRARY, f"layer {i}", self.model)
+            attention = getattr(inner, self._ATTENTION)
+            if self._ATTENTION_LIBRARY:  # (torchtune's attention classes are matched exactly)
+                _library_forward(attention, self._ATTENTION_LIBRARY, f"layer {i}'s attention",
+                                 self.model)
+            for part, module in ((f"layer {i}", layer), (f"layer {i}'s attention", attention)):
                 hooks = foreign_hooks(module)
                 if hooks:
                     raise _refuse(self.model, f"{part} has hooks ({hook_names(hooks)}), which "
                                               f"the engine, running the layer's parts itself, "
                                               f"would skip")
+                if "forward" in vars(module):
+                    raise _refuse(self.model, f"{part} has its forward replaced on the "
+                                              f"instance, which the engine, running the "
+                                              f"layer's parts itself, would skip")
 
 
 class _TorchtuneDecoder(_Modules):
@@ -125,6 +137,10 @@ class _TorchtuneDecoder(_Modules):
                 *self.model.layers)
 
     _ATTENTION = "attn"
+    _LIBRARY, _ATTENTION_LIBRARY = "torchtune", None
+
+    def _callers(self):
+        return ((self.model, "the torchtune decoder"),)
 
     def _raw_layers(self):
         return self.model.layers
@@ -219,6 +235,10 @@ class _HFDecoder(_Modules):
                 *base.layers)
 
     _ATTENTION = "self_attn"
+    _LIBRARY = _ATTENTION_LIBRARY = "transformers"
+
+    def _callers(self):
+        return ((self.model, "the causal LM"), (hf_decoder(self.model), "the decoder"))
 
     def _raw_layers(self):
         return hf_decoder(self.model).layers
@@ -272,12 +292,12 @@ class _HFDecoder(_Modules):
         return self.model.lm_head(self.base.norm(h)).to(accumulation_dtype(h.dtype))
 
 
-def _library_forward(module: nn.Module, library: str, role: str) -> None:
+def _library_forward(module: nn.Module, library: str, role: str, model=None) -> None:
     """The engine runs the model by layer: a forward override would not run (adapters')."""
     try:
         check_library_forward(module, library, role)
     except ValueError as e:
-        raise _refuse(module, str(e)) from None
+        raise _refuse(module if model is None else model, str(e)) from None
 
 
 def decoder_for(model: nn.Module):
@@ -289,7 +309,7 @@ def decoder_for(model: nn.Module):
     if TransformerDecoder and isinstance(model, TransformerDecoder):
         _library_forward(model, "torchtune", "the torchtune decoder")
         decoder = _TorchtuneDecoder(model)
-        decoder.check_hooks()
+        decoder.check_nothing_skipped()
         return decoder
     try:
         from transformers import PreTrainedModel
@@ -299,7 +319,7 @@ def decoder_for(model: nn.Module):
         _library_forward(model, "transformers", "the causal LM")
         _library_forward(hf_decoder(model), "transformers", "the decoder")
         decoder = _HFDecoder(model)
-        decoder.check_hooks()
+        decoder.check_nothing_skipped()
         return decoder
     raise _refuse(model, f"{type(model).__module__}.{type(model).__name__} is neither a torchtune "
                          "TransformerDecoder nor a transformers causal LM")

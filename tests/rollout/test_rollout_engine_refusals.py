@@ -80,3 +80,48 @@ def test_a_seed_for_rng_and_empty_prompts_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         RolloutEngine(model_of("qwen3")).generate(prompts, group_size=2, max_generated_tokens=4,
                                                   pad_id=PAD, **kw)
+
+
+def _hook(module):
+    module.register_forward_hook(lambda mod, args, out: out)
+
+
+def _instance_forward(module):  # as accelerate's autocast wrapper sets model.forward
+    module.forward = module.forward
+
+
+def _steered_layer(model):  # a layer subclass whose forward adds a steering vector
+    layer = model.layers[0]
+
+    class Steered(type(layer)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) + 5.0
+
+    layer.__class__ = Steered
+
+
+@pytest.mark.parametrize("family,change,match", [
+    ("qwen2_5", _hook, r"the torchtune decoder TransformerDecoder has hooks"),
+    ("hf_qwen3", _hook, r"the causal LM Qwen3ForCausalLM has hooks"),
+    ("hf_qwen3", lambda m: _hook(m.model), r"the decoder Qwen3Model has hooks"),
+    ("qwen2_5", _instance_forward, r"TransformerDecoder has its forward replaced"),
+    ("hf_qwen3", lambda m: _instance_forward(m.model.layers[1]),
+     r"layer 1 Qwen3DecoderLayer has its forward replaced on the instance "
+     r"\(Qwen3DecoderLayer.forward\)"),
+    ("qwen2_5", _steered_layer, r"layer 0 Steered overrides forward"),
+], ids=["torchtune-model-hook", "hf-model-hook", "hf-decoder-hook", "model-forward",
+        "layer-forward", "layer-subclass"])
+def test_code_the_engine_would_skip_is_refused_at_the_next_call(family, change, match):
+    # checked only when the engine was built: a hook on the model, or a forward override,
+    # added after it was silently skipped, and the rollout sampled another model
+    from dualkv_compile.testing import tiny_model
+
+    model = tiny_model(family).eval()
+    engine = RolloutEngine(model)
+    prompts = torch.randint(3, 50, (1, 5))
+    engine.generate(prompts, group_size=2, max_generated_tokens=2, pad_id=0)
+    change(model)
+    with pytest.raises(ValueError, match=r"rollout engine cannot run .*" + match):
+        engine.generate(prompts, group_size=2, max_generated_tokens=2, pad_id=0)
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(model)
