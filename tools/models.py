@@ -23,13 +23,16 @@ def _qwen3_presets() -> dict[str, dict]:
                                   heads=d["num_heads"], kv_heads=d["num_kv_heads"],
                                   head_dim=d["head_dim"], ff=d["intermediate_dim"],
                                   vocab=QWEN3_VOCAB, tied=d["tie_word_embeddings"],
-                                  max_positions=QWEN3_MAX_POSITIONS)
+                                  qk_norm=True, max_positions=QWEN3_MAX_POSITIONS)
             for size, d in QWEN3_SIZES.items()}
 
 
 PRESETS = _qwen3_presets()
-_TINY_DIMS = dict(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ff=64, vocab=101,
-                  tied=True)
+_TINY_DIMS = dict(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ff=64, vocab=101)
+# what testing.tiny_model builds each family with: torchtune's builders tie the embeddings
+# (Qwen2's attention has q/k/v biases), transformers' do not (Qwen3 normalises q and k)
+_TINY_FAMILY = {"qwen2_5": dict(tied=True, qkv_bias=True), "llama3_2": dict(tied=True),
+                "hf_qwen3": dict(tied=False, qk_norm=True), "hf_llama": dict(tied=False)}
 # the tiny families are built with as many positions as the layout needs, up to this (inspect
 # runs the CPU reference attention, whose scores grow with the square of the packed length)
 TINY_MAX_POSITIONS = 8192
@@ -129,6 +132,8 @@ def _hf_dims(cfg: dict, path: Path) -> dict:
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                 ff=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                 tied=bool(cfg.get("tie_word_embeddings", False)),
+                qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+                qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
                 max_positions=cfg.get("max_position_embeddings"),
                 model_type=cfg.get("model_type"))
     # a mixture of experts: Qwen3-MoE's fields (Mixtral's num_local_experts, whose
@@ -157,7 +162,7 @@ def model_dims(name: str) -> dict:
     if name in PRESETS:
         return dict(PRESETS[name])
     if name in TINY:
-        return dict(_TINY_DIMS, max_positions=TINY_MAX_POSITIONS)
+        return dict(_TINY_DIMS, **_TINY_FAMILY[name], max_positions=TINY_MAX_POSITIONS)
     path = _hf_config_path(name)
     if path is None:
         raise _unknown(name)
