@@ -149,6 +149,8 @@ class RolloutEngine:
         device = prompts.device
         on_cuda = device.type == "cuda"
         compiled = self.compile if self.compile is not None else on_cuda
+        if compiled:
+            self.decoder.check_compiles()
         if self.cuda_graphs and not (on_cuda and compiled):  # (a graph replays compiled steps)
             raise ValueError(f"cuda_graphs=True needs CUDA and compiled steps; the prompts are "
                              f"on {device} and compile={compiled}")

@@ -67,6 +67,9 @@ class _Modules:
         return len(now) != len(self._built_from) or any(
             a is not b for a, b in zip(now, self._built_from))
 
+    def check_compiles(self) -> None:
+        """Refuse, naming it, what the compiled decode step cannot trace (before compiling)."""
+
     def check_nothing_skipped(self) -> None:
         """The engine runs each layer's parts itself and never calls the model, its decoder, a
         layer or its attention module: a hook on one of those, or a forward one overrides (in a
@@ -236,6 +239,17 @@ class _HFDecoder(_Modules):
 
     _ATTENTION = "self_attn"
     _LIBRARY = _ATTENTION_LIBRARY = "transformers"
+
+    def check_compiles(self) -> None:
+        cfg = self.model.config
+        dispatch = getattr(cfg, "_experts_implementation", None)
+        if getattr(cfg, "num_experts", None) and dispatch in (None, "eager"):
+            raise _refuse(self.model, f"_experts_implementation={dispatch!r} loops over the "
+                                      "experts a batch hits, a data-dependent count the "
+                                      "compiled decode step cannot trace; set "
+                                      "model.config._experts_implementation = 'batched_mm' or "
+                                      "'grouped_mm', call dualkv_compile.models."
+                                      "use_grouped_experts(model), or pass compile=False")
 
     def _callers(self):
         return ((self.model, "the causal LM"), (hf_decoder(self.model), "the decoder"))

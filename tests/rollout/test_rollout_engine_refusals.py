@@ -125,3 +125,20 @@ def test_code_the_engine_would_skip_is_refused_at_the_next_call(family, change, 
         engine.generate(prompts, group_size=2, max_generated_tokens=2, pad_id=0)
     with pytest.raises(ValueError, match=match):
         RolloutEngine(model)
+
+
+@pytest.mark.parametrize("dispatch", ["eager", None])
+def test_a_moe_dispatch_the_compiled_step_cannot_trace_is_named(dispatch):
+    # transformers' eager experts loop over the experts hit (nonzero): compiled on CUDA (the
+    # default there) the call died with a bare Dynamo UserError
+    from dualkv_compile.testing import tiny_model
+
+    model = tiny_model("hf_qwen3_moe").eval()
+    model.config._experts_implementation = dispatch
+    engine = RolloutEngine(model, compile=True, attention="math")
+    with pytest.raises(ValueError, match=rf"_experts_implementation={dispatch!r} loops over .*"
+                                         r"or pass compile=False"):
+        engine.generate(torch.randint(3, 50, (1, 5)), group_size=2, max_generated_tokens=2,
+                        pad_id=0)
+    RolloutEngine(model, compile=False).generate(torch.randint(3, 50, (1, 5)), group_size=2,
+                                                 max_generated_tokens=2, pad_id=0)
