@@ -221,7 +221,10 @@ class _HuggingFace:
         base = hf_decoder(model)
         embeds = _embed_without_require_grads_hook(model, tokens)
         inputs = {"input_ids": tokens} if embeds is None else {"inputs_embeds": embeds}
-        out = base(**inputs, attention_mask=mask, position_ids=positions, use_cache=False)
+        # output_hidden_states=True in the config set up transformers' capture hooks under a
+        # lock Dynamo cannot enter (the refusal named the lock, not the field)
+        out = base(**inputs, attention_mask=mask, position_ids=positions, use_cache=False,
+                   output_hidden_states=False)
         return out.last_hidden_state
 
     def head(self, model, hidden):

@@ -36,6 +36,8 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
     if kwargs:  # inputs_embeds among them: packing needs the token ids
         raise ValueError(f"unsupported arguments for the dualkv wrapper: {sorted(kwargs)}")
     check_tokens(tokens)
+    if positions is not None:
+        _check_positions(positions, "input_pos" if tt else "position_ids", tokens)
     if tt and masks[0] is not None:
         masks[0] = padding_from_torchtune_mask(adapter, masks[0], positions)
     masks = [padding_mask_on(m, tokens) for m in masks if m is not None]
@@ -54,8 +56,20 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
                              "tokens, which is what the packed layout uses" + (
                                  "; with torchtune's mask, input_pos must also be 0 at padding "
                                  "(get_position_ids_from_padding_mask): a last column at "
-                                 "another position is read as a token" if tt else ""))
+                                 "another position is read as a token"
+                                 if tt and name_given else ""))
     return tokens, padding_mask
+
+
+def _check_positions(positions, name: str, tokens: Tensor) -> None:
+    b, length = tokens.shape
+    if not (isinstance(positions, Tensor) and positions.dim() == 2
+            and positions.shape[0] in (1, b) and positions.shape[1] == length
+            and not positions.is_floating_point() and positions.dtype != torch.bool):
+        shown = (f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, Tensor)
+                 else type(positions).__name__)
+        raise ValueError(f"{name} must be an integer tensor [B, L] or [1, L] like the tokens "
+                         f"{(b, length)}, got {shown}")
 
 
 def _check_no_gaps(attention_mask: Tensor) -> None:

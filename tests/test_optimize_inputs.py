@@ -11,6 +11,7 @@ from dualkv_compile.testing import (
     mixed_batch,
     rel_err,
     row_by_row_logits,
+    row_by_row_response_logprobs,
     same_dtype_numerics,
     tiny_model,
 )
@@ -37,6 +38,13 @@ def test_forward_accepts_the_models_own_arguments():
         assert rel_err(given.logits[b, mask[b]], ref[b]) < TOL, b
     with pytest.raises(ValueError, match="positions differ"):
         wrapper(input_ids=tokens, attention_mask=mask, position_ids=positions + 1, prompt_len=p)
+    # a column too many, or a list, raised torch's bare size or type error
+    b, length = tokens.shape
+    for bad, shown in ((torch.zeros(b, length + 1, dtype=torch.long), rf"\({b}, {length + 1}\)"),
+                       (positions.tolist(), "list"), (positions.double(), "torch.float64")):
+        with pytest.raises(ValueError, match=rf"position_ids must be an integer tensor \[B, L\] "
+                                             rf"or \[1, L\] like the tokens .*got .*{shown}"):
+            wrapper(input_ids=tokens, attention_mask=mask, position_ids=bad, prompt_len=p)
     with pytest.raises(ValueError, match=r"unsupported arguments.*'labels'"):
         wrapper(input_ids=tokens, labels=tokens, prompt_len=p)
     wrapper(input_ids=tokens, attention_mask=mask, use_cache=False, prompt_len=p)
@@ -334,3 +342,15 @@ def test_the_dense_path_refuses_hooks_on_the_lm_head():
     with pytest.raises(ValueError, match=r"LM head \(Linear\) has hooks"):
         dk.optimize(model, dk.DualKVConfig(enabled=False)).response_logprobs(
             tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_a_config_asking_for_hidden_states_runs_exact():
+    # transformers set up its output-capture hooks under a lock Dynamo cannot enter: refused
+    # at the first call unless the plain model had run once before
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    model.config.output_hidden_states = True
+    tokens, mask, p = mixed_batch()
+    ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    model.config.output_hidden_states = False
+    theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert (ours - theirs).abs().max() < 1e-10

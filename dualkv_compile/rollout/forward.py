@@ -80,12 +80,9 @@ class _Modules:
             _library_forward(module, self._LIBRARY, role, self.model)
         for i, layer in enumerate(self._raw_layers()):
             inner = _unwrap(layer)
-            _library_forward(inner, self._LIBRARY, f"layer {i}", self.model)
             attention = getattr(inner, self._ATTENTION)
-            if self._ATTENTION_LIBRARY:  # (torchtune's attention classes are matched exactly)
-                _library_forward(attention, self._ATTENTION_LIBRARY, f"layer {i}'s attention",
-                                 self.model)
-            for part, module in ((f"layer {i}", layer), (f"layer {i}'s attention", attention)):
+            for part, module in ((f"layer {i}", layer), (f"layer {i}", inner),
+                                 (f"layer {i}'s attention", attention)):
                 hooks = foreign_hooks(module)
                 if hooks:
                     raise _refuse(self.model, f"{part} has hooks ({hook_names(hooks)}), which "
@@ -95,6 +92,10 @@ class _Modules:
                     raise _refuse(self.model, f"{part} has its forward replaced on the "
                                               f"instance, which the engine, running the "
                                               f"layer's parts itself, would skip")
+            _library_forward(inner, self._LIBRARY, f"layer {i}", self.model)  # a subclass's
+            if self._ATTENTION_LIBRARY:  # (torchtune's attention classes are matched exactly)
+                _library_forward(attention, self._ATTENTION_LIBRARY, f"layer {i}'s attention",
+                                 self.model)
 
 
 class _TorchtuneDecoder(_Modules):
