@@ -274,7 +274,8 @@ class DualKVModel(nn.Module):
                           padding_mask: Tensor | None = None, temperature: float = 1.0) -> Tensor:
         """Logprob of every response token, [B, L - prompt_len]; 0 at padding. float32, or
         float64 for a float64 model. The LM head runs only at the positions that predict
-        response tokens, in chunks of config.logprob_chunk_size."""
+        response tokens, in chunks of config.logprob_chunk_size. Without response columns
+        (prompt_len == L) the model does not run: [B, 0] without gradient."""
         def head(states, weight, targets, dst):
             lp = chunked_logprobs(states, weight, targets, temperature=temperature,
                                   chunk_size=self.config.logprob_chunk_size)
