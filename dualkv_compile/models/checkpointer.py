@@ -65,6 +65,10 @@ class Qwen3HFCheckpointer:
         # written into a folder beside the final one, then renamed into place: a crash mid-write
         # leaves no half-written folder under the final name (nor a half-replaced one)
         partial, replaced = (folder.with_name(f"{folder.name}.{s}") for s in ("partial", "replaced"))
+        if replaced.exists() and not folder.exists():
+            # a crash between the two renames below left the previous copy only under this
+            # name: it goes back before anything is removed (a failed save then keeps it)
+            replaced.rename(folder)
         for stale in (partial, replaced):
             shutil.rmtree(stale, ignore_errors=True)
         state = state_dict[MODEL_KEY]

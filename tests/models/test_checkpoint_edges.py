@@ -123,6 +123,31 @@ def test_a_failed_weights_save_leaves_no_partial_folder(tmp_path, monkeypatch):
     assert not list((tmp_path / "out").iterdir())
 
 
+def test_a_crash_between_the_renames_then_a_failed_save_keeps_the_previous_copy(
+        tmp_path, monkeypatch):
+    # the crash left epoch_1.replaced (the previous copy) and epoch_1.partial; the next save
+    # removed both before writing, and a full disk then left no epoch_1 at all
+    import dualkv_compile.models.checkpointer as checkpointer
+
+    source = _saved_source(tmp_path)
+    ck = Qwen3HFCheckpointer(str(source), str(tmp_path / "out"))
+    state = {"model": qwen3_from_hf_config(source).state_dict()}
+    ck.save_checkpoint(state, epoch=1)
+    out = tmp_path / "out"
+    before = (out / "epoch_1" / "model.safetensors").read_bytes()
+    (out / "epoch_1").rename(out / "epoch_1.replaced")  # as the crash left them
+    (out / "epoch_1.partial").mkdir()
+
+    def full_disk(state, directory, rename):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointer, "write_hf_state", full_disk)
+    with pytest.raises(OSError, match="epoch_1 could not be written"):
+        ck.save_checkpoint(state, epoch=1)
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_1"]
+    assert (out / "epoch_1" / "model.safetensors").read_bytes() == before
+
+
 def _moe_checkpoint(tmp_path, tied):
     cfg = tf.Qwen3MoeConfig(vocab_size=12, hidden_size=16, moe_intermediate_size=8,
                             num_experts=3, num_experts_per_tok=2, num_hidden_layers=1,
