@@ -226,8 +226,8 @@ def flash_regions_backward(dout, q, k, v, out, lse, plan: Plan, scale: float):
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
-    # (mixed float dtypes run on the CPU, where the math is fp32: CPU autocast gives fp32 q/k
-    # after RoPE and a bf16 v; flash_status below refuses them on CUDA)
+    # (mixed float dtypes run on the CPU, where the math is fp32, with autocast off inside:
+    # CPU autocast gives fp32 q/k after RoPE and a bf16 v; flash_status refuses them on CUDA)
     if not all(t.is_floating_point() for t in (q, k, v)) or (
             q.is_cuda and not q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention_backend='flash_regions' needs floating q, k and v (one "

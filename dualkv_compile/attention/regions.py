@@ -20,6 +20,7 @@ ragged responses in the own region), so the work is the ideal pair count.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
@@ -117,6 +118,18 @@ def _wide(x: Tensor) -> Tensor:  # fp32, or wider if x is
     return x.to(accumulation_dtype(x.dtype))
 
 
+def _exact(fn):
+    """Run the math in the wide dtype it casts to (_wide), autocast or not: under autocast its
+    matmuls ran in bf16, and the forward's lse then did not match the scores the backward
+    (usually outside autocast) recomputes in fp32 (flash_regions' CPU dv 16x the plain
+    model's error)."""
+    @functools.wraps(fn)
+    def run(*args):
+        with torch.autocast(args[1].device.type, enabled=False):
+            return fn(*args)
+    return run
+
+
 def _math_scores(q, k, causal, scale):
     rep = q.shape[1] // k.shape[1]
     s = _wide(q) @ _wide(k).repeat_interleave(rep, 1).transpose(-1, -2) * scale
@@ -126,6 +139,7 @@ def _math_scores(q, k, causal, scale):
     return s, rep
 
 
+@_exact
 def _math_forward(q, k, v, causal, scale):
     s, rep = _math_scores(q, k, causal, scale)
     lse = s.logsumexp(-1)
@@ -133,6 +147,7 @@ def _math_forward(q, k, v, causal, scale):
     return out.to(q.dtype), lse, None
 
 
+@_exact
 def _math_backward(dout, q, k, v, out, lse, causal, scale, aux):
     """This region's share of the gradients of rows whose softmax (`out`, `lse`) may span the
     other region too. The row term rowsum(dO * out) is split into this region's sum(P * dP)

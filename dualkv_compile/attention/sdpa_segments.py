@@ -28,7 +28,7 @@ def _responses(q, k, v, prompt: tuple[int, int], spans, scale) -> tuple[Tensor, 
     dev = q.device
     starts = torch.tensor([s for s, _ in spans], device=dev)
     lens = torch.tensor([e - s for s, e in spans], device=dev)
-    r_max = int(lens.max())
+    r_max = max(e - s for s, e in spans)  # from the host lengths: traceable, no device read
     cols = torch.arange(r_max, device=dev)
     valid = cols < lens[:, None]  # [n, R]
     idx = torch.where(valid, starts[:, None] + cols, starts[:, None])  # [n, R]

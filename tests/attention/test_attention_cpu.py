@@ -349,6 +349,30 @@ def test_mixed_float_dtypes_run_as_their_common_dtype(backend):
         assert rel_err(a.float(), b) < 1e-2, (name, rel_err(a.float(), b))
 
 
+@pytest.mark.parametrize("backend", ["regions", "flash_regions"])
+def test_the_region_math_under_autocast_is_the_math_without_it(backend):
+    """Under autocast the explicit math's matmuls ran in bf16, so the forward's lse did not
+    match the scores its backward (outside autocast) recomputed: dv was 16x the plain model's
+    error. It now computes in fp32 under autocast too, so both runs agree exactly."""
+    g = torch.Generator().manual_seed(16)
+    tokens, mask, p = make_batch([20, 6], [[9, 0, 9], [3, 12]], generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 4, 2, 8, dtype=torch.float32, device="cpu", generator=g)
+    q = q * 30  # large logits: bf16 scores are far from fp32's
+
+    def run(autocast):  # the forward under autocast, the backward outside, as in training
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = shared_prefix_attention(*leaves, pb, attention_backend=backend)
+        (out.float() * cot).sum().backward()
+        return (out.detach(), *(x.grad for x in leaves))
+
+    plain = run(False)
+    under = run(True)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), under, plain):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_batch_packed_under_inference_mode_trains(backend):
     """A batch packed once under torch.inference_mode (for the old logprobs) and reused with
