@@ -62,7 +62,9 @@ _SHAPE_QUERIES = {"size", "dim", "numel", "_log_api_usage_once", "is_floating_po
 _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
 # ops that cut or widen a tensor's axes (to the packed length T: note_length_axis)
 _RESIZES = {"getitem", "narrow", "expand", "expand_as", "broadcast_to", "repeat", "tile",
+            "repeat_interleave", "pad", "constant_pad_nd", "as_strided", "index_select",
             "new_ones", "new_zeros", "new_full", "new_empty"}
+_SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unbind"}
 _SHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_",
                    "resize_", "resize_as_", "as_strided_", "set_", "unflatten_", "flatten_"}
 
@@ -134,7 +136,8 @@ class _Proof(IndexingRules, ProductRules):
     def note_length_axis(self, node):
         """Follow the tensors without tokens that have an axis of the packed length T made from
         it: built in the graph from no input (arange(T), ones(D, T)), cut or widened to T by
-        indexing or expanding (pos_table[:T], c.expand(T)), and what is computed from those
+        indexing, splitting, padding, repeating or expanding (pos_table[:T], c.expand(T)), and
+        what is computed from those
         keeping such an axis (arange(T) * alpha). Not a tensor computed from weights or buffers
         alone, which may have that size by chance: RoPE's inv_freq at head dim 256, a LoRA
         product, DoRA's scale."""
@@ -143,7 +146,10 @@ class _Proof(IndexingRules, ProductRules):
                 or not isinstance(out, Tensor) or self.t not in out.shape):
             return
         inputs = node.all_input_nodes
-        src = example(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if first is not None and op_name(first) in _SPLITS:  # a piece of split(...): its input
+            first = first.args[0] if first.args and isinstance(first.args[0], fx.Node) else None
+        src = example(first) if first is not None else None
         if (all(i in self.built_from_nothing for i in inputs)
                 or any(i in self.length_axis for i in inputs)
                 or (op_name(node) in _RESIZES and isinstance(src, Tensor)
@@ -327,6 +333,8 @@ class _Proof(IndexingRules, ProductRules):
         if name == "linear":
             if ax == inp.dim() - 1:
                 self.refuse(node, "it contracts over the sequence axis")
+            for operand in node.all_input_nodes[1:]:  # weight, bias: F.linear(x, c.expand(T, D))
+                self.no_length_axis(node, operand)
             return ax
         if name in ("rms_norm", "layer_norm", "group_norm_last"):
             shape = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]

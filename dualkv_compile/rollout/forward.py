@@ -38,9 +38,29 @@ SUPPORTED_FAMILIES = ("torchtune TransformerDecoder (MultiHeadAttention or dualk
 _HF_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")
 
 
+def _levels(module: nn.Module) -> list[nn.Module]:
+    """A layer and the modules it wraps: under torchtune/torch activation checkpointing, or
+    torch.compile (an OptimizedModule, torchtitan's per-layer compile), in any order. The
+    engine runs the innermost one's pieces."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    levels = [module]
+    while True:
+        inner = levels[-1]._orig_mod if isinstance(levels[-1], OptimizedModule) else \
+            levels[-1].__dict__.get("_modules", {}).get("_checkpoint_wrapped_module")
+        if inner is None:
+            return levels
+        levels.append(inner)
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
-    """A layer under torchtune/torch activation checkpointing is wrapped; its pieces are not."""
-    return getattr(module, "_checkpoint_wrapped_module", module)
+    return _levels(module)[-1]
+
+
+def _compiled(module: nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
 
 
 def _refuse(model: nn.Module, why: str) -> ValueError:
@@ -79,23 +99,24 @@ class _Modules:
         for module, role in self._callers():
             _library_forward(module, self._LIBRARY, role, self.model)
         for i, layer in enumerate(self._raw_layers()):
-            inner = _unwrap(layer)
+            *_, inner = levels = _levels(layer)
             attention = getattr(inner, self._ATTENTION)
-            for part, module in ((f"layer {i}", layer), (f"layer {i}", inner),
-                                 (f"layer {i}'s attention", attention)):
+            for part, module in [(f"layer {i}", m) for m in levels] + [
+                    (f"layer {i}'s attention", m) for m in _levels(attention)]:
                 hooks = foreign_hooks(module)
                 if hooks:
                     raise _refuse(self.model, f"{part} has hooks ({hook_names(hooks)}), which "
                                               f"the engine, running the layer's parts itself, "
                                               f"would skip")
-                if "forward" in vars(module):
+                # (torch.compile's wrapper sets its own forward: skipping it skips compiling)
+                if "forward" in vars(module) and not _compiled(module):
                     raise _refuse(self.model, f"{part} has its forward replaced on the "
                                               f"instance, which the engine, running the "
                                               f"layer's parts itself, would skip")
             _library_forward(inner, self._LIBRARY, f"layer {i}", self.model)  # a subclass's
             if self._ATTENTION_LIBRARY:  # (torchtune's attention classes are matched exactly)
-                _library_forward(attention, self._ATTENTION_LIBRARY, f"layer {i}'s attention",
-                                 self.model)
+                _library_forward(_unwrap(attention), self._ATTENTION_LIBRARY,
+                                 f"layer {i}'s attention", self.model)
 
 
 class _TorchtuneDecoder(_Modules):

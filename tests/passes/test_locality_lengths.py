@@ -29,8 +29,29 @@ def _constant_expanded_to_the_length(x):
     return x + 1e-2 * (x[..., None] * _OFFSET.expand(x.shape[1])).sum(-1)
 
 
+def _table_split_at_the_length(x):
+    t = x.shape[1]
+    return x + 1e-2 * (x[..., None] * _TABLE.split([t, 512 - t])[0]).sum(-1)
+
+
+def _buffer_padded_to_the_length(x):
+    return x + 1e-2 * (x[..., None] * torch.nn.functional.pad(_TABLE[:3], (0, x.shape[1] - 3))
+                       ).sum(-1)
+
+
+def _constant_repeated_to_the_length(x):
+    return x + 1e-2 * (x[..., None] * _OFFSET.reshape(1).repeat_interleave(x.shape[1])).sum(-1)
+
+
+def _linear_weight_of_the_length(x):  # F.linear(x, W [T, D]): a product over every token
+    w = _OFFSET.expand(x.shape[1], x.shape[2]) * 1e-2
+    return x + torch.nn.functional.linear(x, w).sum(-1, keepdim=True)
+
+
 @pytest.mark.parametrize("mix", [_arange_plus_a_buffer, _table_cut_to_the_length,
-                                 _constant_expanded_to_the_length],
+                                 _constant_expanded_to_the_length, _table_split_at_the_length,
+                                 _buffer_padded_to_the_length, _constant_repeated_to_the_length,
+                                 _linear_weight_of_the_length],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_an_axis_of_the_packed_length_made_from_it_is_refused(mix):
     # each returned wrong logprobs (by up to 24) without a refusal
