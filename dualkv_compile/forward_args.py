@@ -62,13 +62,15 @@ def split_forward_args(adapter, args, kwargs, check_tokens) -> tuple[Tensor, Ten
 
 
 def _check_positions(positions, name: str, tokens: Tensor) -> None:
+    """[B, L] or [1, L] integers (and torchtune's input_pos [L], which its forward takes)."""
     b, length = tokens.shape
-    if not (isinstance(positions, Tensor) and positions.dim() == 2
-            and positions.shape[0] in (1, b) and positions.shape[1] == length
+    shapes = [(b, length), (1, length)] + ([(length,)] if name == "input_pos" else [])
+    if not (isinstance(positions, Tensor) and tuple(positions.shape) in shapes
             and not positions.is_floating_point() and positions.dtype != torch.bool):
         shown = (f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, Tensor)
                  else type(positions).__name__)
-        raise ValueError(f"{name} must be an integer tensor [B, L] or [1, L] like the tokens "
+        raise ValueError(f"{name} must be an integer tensor shaped "
+                         f"{' or '.join(str(list(x)) for x in shapes)} for the tokens "
                          f"{(b, length)}, got {shown}")
 
 

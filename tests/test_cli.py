@@ -188,6 +188,25 @@ def test_plan_counts_the_parameters_the_model_has(name):
         p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
+def test_plan_counts_attention_biases_as_transformers_builds_them(kind, tmp_path):
+    # attention_bias=True puts a bias on o_proj too (Llama, Qwen3); Qwen2's q/k/v always
+    from dualkv_compile.tools.models import model_dims
+
+    fields = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, vocab_size=101,
+                  tie_word_embeddings=False, **({} if kind == "qwen2" else
+                                                dict(attention_bias=True)))
+    if kind == "qwen3":
+        fields["head_dim"] = 8
+    cfg = transformers.AutoConfig.for_model(kind, **fields)
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert estimate(model_dims(str(tmp_path / "config.json")), 1, 1, 1)["params"] == sum(
+        p.numel() for p in model.parameters())
+
+
 def test_plan_notes_a_model_type_optimize_refuses(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,

@@ -42,8 +42,9 @@ def test_forward_accepts_the_models_own_arguments():
     b, length = tokens.shape
     for bad, shown in ((torch.zeros(b, length + 1, dtype=torch.long), rf"\({b}, {length + 1}\)"),
                        (positions.tolist(), "list"), (positions.double(), "torch.float64")):
-        with pytest.raises(ValueError, match=rf"position_ids must be an integer tensor \[B, L\] "
-                                             rf"or \[1, L\] like the tokens .*got .*{shown}"):
+        with pytest.raises(ValueError, match=rf"position_ids must be an integer tensor shaped "
+                                             rf"\[{b}, {length}\] or \[1, {length}\] for the "
+                                             rf"tokens .*got .*{shown}"):
             wrapper(input_ids=tokens, attention_mask=mask, position_ids=bad, prompt_len=p)
     with pytest.raises(ValueError, match=r"unsupported arguments.*'labels'"):
         wrapper(input_ids=tokens, labels=tokens, prompt_len=p)
@@ -242,6 +243,10 @@ def test_torchtune_mask_and_input_pos_are_accepted():
         wrapper(tokens, mask=tt_mask, input_pos=cumsum_pos, prompt_len=p)
     with pytest.raises(ValueError, match="not a causal padding mask"):
         wrapper(tokens, mask=torch.ones_like(tt_mask), input_pos=input_pos, prompt_len=p)
+    # input_pos [L], as torchtune's forward takes it, for rows without padding
+    full = tokens[:, :4]
+    assert torch.equal(wrapper(full, input_pos=torch.arange(4), prompt_len=2),
+                       wrapper(full, prompt_len=2))
     # a row whose one token is in the last column has the mask and positions of padding: it
     # was refused as having no prompt token; the error now says why and what to pass
     lone = torch.zeros_like(mask[:1])

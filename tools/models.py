@@ -134,6 +134,7 @@ def _hf_dims(cfg: dict, path: Path) -> dict:
                 tied=bool(cfg.get("tie_word_embeddings", False)),
                 qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
                 qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
+                o_bias=bool(cfg.get("attention_bias")),  # Llama's and Qwen3's: o_proj's too
                 max_positions=cfg.get("max_position_embeddings"),
                 model_type=cfg.get("model_type"))
     # a mixture of experts: Qwen3-MoE's fields (Mixtral's num_local_experts, whose

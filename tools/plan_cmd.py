@@ -35,7 +35,8 @@ def estimate(d: dict, n: int, p: int, r: int, *, state_bytes: int = 12,
     router = h * experts if "experts" in d else 0
     attn_params = (h * q_dim + 2 * h * kv_dim + q_dim * h + 2 * h  # projections, two norms
                    + (2 * hd if d.get("qk_norm") else 0)  # Qwen3's per-head q and k norms
-                   + (q_dim + 2 * kv_dim if d.get("qkv_bias") else 0))  # Qwen2's biases
+                   + (q_dim + 2 * kv_dim if d.get("qkv_bias") else 0)  # Qwen2's biases
+                   + (h if d.get("o_bias") else 0))  # attention_bias=True: o_proj's too
     layer_params = attn_params + experts * 3 * h * d["ff"] + router
     active_params = attn_params + active * 3 * h * d["ff"] + router  # what a token runs
     params = d["layers"] * layer_params + d["vocab"] * h * (1 if d["tied"] else 2) + h

@@ -61,7 +61,16 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
     check_prompt_ids(prompts, min_groups=0)
     # the prompt is what the engine samples from (by default pad_id only in leading and
     # trailing runs)
+    given = prompt_mask is not None
     prompt_mask = valid_prompt_tokens(prompts, prompt_mask, pad_id)  # the caller's rows named
+    if given:  # the batch's padding mask holds it: the update takes no hole inside a prompt
+        before, after = (prompt_mask.cummax(1).values,
+                         prompt_mask.flip(1).cummax(1).values.flip(1))
+        holes = (~prompt_mask & before & after).any(1).nonzero()[:, 0].tolist()
+        if holes:
+            raise ValueError(f"prompt_mask rows {holes[:8]} have a False between True entries; "
+                             "the policy update takes each prompt as one run of tokens: pass "
+                             "the prompts with their tokens together")
     calls = plan_calls(prompts.shape[0], group_size, rows_per_call) if len(prompts) else []
     with gathered_weights(engine.model):
         parts = [engine.generate(prompts[first:first + count], group_size=n, pad_id=pad_id,

@@ -153,6 +153,10 @@ def test_a_prompt_mask_keeps_a_prompts_own_pad_id_tokens():
     assert not default[1][0, 0]  # without the mask, its first token read as padding
     with pytest.raises(ValueError, match=r"prompt_mask \(2, 4\) torch.bool"):
         rollout_batch(RolloutEngine(model_), prompts, prompt_mask=given[:, :4], **kw)
+    holed = given.clone()
+    holed[0, 2] = False  # generate compacts it; the update refused it after the rollout
+    with pytest.raises(ValueError, match=r"prompt_mask rows \[0\] have a False between"):
+        rollout_batch(RolloutEngine(model_), prompts, prompt_mask=holed, **kw)
     with pytest.raises(ValueError, match=r"prompts \[1\] have no token"):
         rollout_batch(RolloutEngine(model_), prompts,
                       prompt_mask=given & torch.tensor([[True], [False]]), **kw)
