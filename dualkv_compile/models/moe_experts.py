@@ -35,11 +35,18 @@ __all__ = ["IMPLEMENTATION", "grouped_experts", "use_grouped_experts"]
 IMPLEMENTATION = "dualkv_grouped"  # the name in transformers' ExpertsInterface
 
 
-def _counts(flat: Tensor, experts: int) -> Tensor:
-    """Rows per expert, int64, without a host synchronisation on CUDA (bincount would read the
-    largest id first; histc takes int32 on CUDA, floats on the CPU)."""
-    values = flat.to(torch.int32) if flat.is_cuda else flat.to(torch.float64)
-    return torch.histc(values, bins=experts, min=0, max=experts - 1).long()
+def _counts(flat: Tensor, order: Tensor, experts: int) -> Tensor:
+    """Rows per expert, int64, from the ids sorted by `order`: without a host synchronisation
+    (bincount reads the largest id first) and deterministic (CUDA's histc and bincount are
+    refused under torch.use_deterministic_algorithms). An id outside [0, experts) would leave
+    rows no expert computes: asserted on the device, where the router never makes one."""
+    ids = flat[order]
+    if ids.numel():
+        torch._assert_async((ids[0] >= 0) & (ids[-1] < experts),
+                            f"grouped_experts: an expert id outside [0, {experts})")
+    bounds = torch.searchsorted(ids, torch.arange(experts + 1, device=ids.device,
+                                                  dtype=ids.dtype))
+    return bounds.diff()
 
 
 def _grouped_mm():
@@ -76,7 +83,7 @@ def grouped_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
     experts = gate_up_proj.shape[0]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = _counts(flat, experts)
+    counts = _counts(flat, order, experts)
     rows = hidden[order // k]
     gate, up = _grouped_linear(rows, gate_up_proj, counts, grouped).chunk(2, dim=-1)
     out = _grouped_linear(F.silu(gate) * up, down_proj, counts, grouped)
@@ -119,7 +126,7 @@ def grouped_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor,
     s, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = _counts(flat, gate_up_proj.shape[0])
+    counts = _counts(flat, order, gate_up_proj.shape[0])
     token = order // k
     rows = hidden[token]
     gate, up = _grouped_linear(rows, gate_up_proj, counts, grouped).chunk(2, dim=-1)

@@ -99,3 +99,31 @@ def test_bf16_qwen3_moe_with_grouped_experts_matches_plain_model():
     assert wrapper.uses_dualkv and dk.counters["attention_rewritten"] == 2
     for key in ("logprobs", "grads"):
         assert errs[key]["ours"] <= 2 * errs[key]["dense_bf16"], (key, errs[key])
+
+
+def test_the_grouped_op_counts_experts_deterministically():
+    # its expert counts came from CUDA's histc, which torch refuses under
+    # use_deterministic_algorithms(True); warn_only names each such op instead of raising
+    import warnings
+
+    from dualkv_compile.models.moe_experts import moe_experts
+
+    low = copy.deepcopy(_experts()).bfloat16()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    hidden = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
+    index = torch.randint(0, 8, (64, 2), device="cuda", generator=g)
+    weights = torch.rand(64, 2, device="cuda", generator=g).bfloat16()
+    grad = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(lambda m, h, i, w: moe_experts(h, i, w, m.gate_up_proj, m.down_proj), low,
+                 hidden, index, weights, grad)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    flagged = [str(w.message).splitlines()[0] for w in caught
+               if "does not have a deterministic implementation" in str(w.message)]
+    print(json.dumps(flagged))
+    assert not [m for m in flagged if "histc" in m or "bincount" in m], flagged

@@ -160,3 +160,18 @@ def test_grouped_gemm_form_equals_the_per_expert_loop_in_bf16():
     for name, a, b in zip(["out", "d_hidden", "d_weights", "d_gate_up", "d_down"], fast, loop):
         assert a.shape == b.shape and rel_err(a.float(), b.float()) < 2e-2, name
     assert (fast[4][5] == 0).all()
+
+
+def test_an_expert_id_outside_the_experts_is_refused():
+    # histc dropped an id >= E (rows no expert computed, uninitialised memory summed) and took
+    # -1 as expert 0
+    from dualkv_compile.models.moe_experts import grouped_experts
+
+    experts = _experts(num_experts=4, hidden_size=8)
+    hidden = torch.randn(3, 8, dtype=torch.float64)
+    weights = torch.rand(3, 2, dtype=torch.float64)
+    args = (experts.gate_up_proj.detach().double(), experts.down_proj.detach().double())
+    for bad in (4, -1):
+        index = torch.tensor([[0, 1], [2, bad], [3, 1]])
+        with pytest.raises(RuntimeError, match=r"an expert id outside \[0, 4\)"):
+            grouped_experts(hidden, index, weights, *args, grouped=False)
