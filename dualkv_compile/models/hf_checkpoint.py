@@ -160,7 +160,10 @@ def read_hf_state(directory: str | Path) -> dict:
     if (directory / "model.safetensors").is_file():  # transformers' order: the single file first
         files = ["model.safetensors"]
     elif index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (tensor name -> shard file)")
+        files = sorted(set(weight_map.values()))
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
                                 f"{directory}")
@@ -171,7 +174,15 @@ def read_hf_state(directory: str | Path) -> dict:
 
 
 def save_hf_checkpoint(model: nn.Module, directory: str | Path, *, config: dict) -> None:
-    """Write model.safetensors and config.json (a transformers Qwen3 config dict)."""
+    """Write model.safetensors and config.json (a transformers Qwen3 config dict, whose
+    tie_word_embeddings must say what the model does: a tied model's file holds no LM head,
+    which transformers would otherwise fill at random, with only a logged warning)."""
+    said = config.get("tie_word_embeddings", False)  # Qwen3Config's default
+    if said != _tied(model):
+        raise ValueError(f"config has tie_word_embeddings={said}"
+                         f"{'' if 'tie_word_embeddings' in config else ' (left out)'}, but the "
+                         f"model {'ties' if _tied(model) else 'does not tie'} its LM head to "
+                         f"the embedding; set it to {_tied(model)}")
     write_hf_state(model.state_dict(), directory)
     (Path(directory) / "config.json").write_text(json.dumps(config, indent=2))
 

@@ -62,9 +62,12 @@ def qwen3_moe_from_hf_config(path: str, *, grouped_experts: bool = False, **over
     cfg, unused = tf.AutoConfig.from_pretrained(str(path), return_unused_kwargs=True,
                                                 **overrides)
     if unused:
+        hint = (" (transformers 5 keeps rope_theta in rope_parameters: pass "
+                "rope_parameters={'rope_type': 'default', 'rope_theta': ...})"
+                if "rope_theta" in unused else "")
         raise ValueError(f"qwen3_moe_from_hf_config: {sorted(unused)} are not fields of "
                          f"{type(cfg).__name__}; overrides take transformers' names (e.g. "
-                         f"num_hidden_layers, num_experts_per_tok)")
+                         f"num_hidden_layers, num_experts_per_tok){hint}")
     if cfg.model_type != "qwen3_moe":
         raise ValueError(f"{path} holds a {cfg.model_type!r} config, not 'qwen3_moe'")
     if cfg.output_router_logits:  # was set to False silently: the loss would not be trained

@@ -90,6 +90,19 @@ def test_save_round_trip_loads_in_transformers(tmp_path):
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_hf_checkpoint(qwen3_tiny(vocab_size=64), tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")  # a bare KeyError before
+    with pytest.raises(ValueError, match="has no weight_map"):
+        load_hf_checkpoint(qwen3_tiny(vocab_size=64), tmp_path)
+
+
+@pytest.mark.parametrize("said", [{}, {"tie_word_embeddings": False}])
+def test_a_config_that_misstates_the_tying_is_refused(tmp_path, said):
+    # a tied model saved with a config saying untied (Qwen3Config's default when left out):
+    # transformers loaded it with a random LM head, logits 0.7 off
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=False.* the model ties"):
+        save_hf_checkpoint(qwen3_tiny(vocab_size=64), tmp_path,
+                           config={"model_type": "qwen3"} | said)
+    assert not list(tmp_path.iterdir())
 
 
 def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
