@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..arguments import integer_arg
 from . import distributed as ddp
 from .losses import groups_with_signal
 
@@ -76,7 +77,8 @@ def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
     may come back if the rounds run out. A rank that kept no group while another did trains
     on its last round's groups with `filler` True (the caller weights them 0), so that it runs
     the same collectives; if no rank kept one, NoGroupWithSignal."""
-    n = group_size
+    groups = integer_arg("groups", groups, 1)  # (0 read as "no group with signal")
+    n = integer_arg("group_size", group_size, 1)
     kept: list[tuple] = []  # (tokens, mask, lengths, rewards, prompt width) per group
     dropped: list[tuple] = []  # the last round's dropped groups: a filler rank's batch
     sampled: list[Tensor] = []

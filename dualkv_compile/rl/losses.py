@@ -27,8 +27,10 @@ def group_advantages(rewards: Tensor, *, eps: float = 1e-6, scale: bool = True) 
     (TRL and veRL divide by the sample standard deviation, sqrt(N / (N - 1)) larger). A group
     whose rewards are all equal gets exactly 0: its mean's rounding (rewards such as 1/3) would
     otherwise be divided by eps."""
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [groups, samples], got shape {tuple(rewards.shape)}")
+    if rewards.dim() != 2 or 0 in rewards.shape:
+        raise ValueError(f"rewards must be [groups, samples] with at least one of each, got "
+                         f"shape {tuple(rewards.shape)}")
+    eps = real_arg("eps", eps, 0.0)  # a negative eps divided a group's spread by ~0 or < 0
     if not rewards.is_floating_point():  # 0/1 rule rewards as bool or int
         rewards = rewards.to(torch.get_default_dtype())
     if not torch.isfinite(rewards).all():  # NaN != NaN would also count as signal
@@ -68,7 +70,8 @@ def overlong_penalty(lengths: Tensor, *, max_len: int, cache_len: int) -> Tensor
     """DAPO soft overlong punishment: 0 up to max_len - cache_len tokens, then falling linearly
     to -1 at max_len, -1 beyond. lengths: a tensor, or a list of lengths."""
     lengths = torch.as_tensor(lengths)
-    if not 0 < cache_len <= max_len:
+    max_len, cache_len = integer_arg("max_len", max_len, 1), integer_arg("cache_len", cache_len, 1)
+    if not cache_len <= max_len:
         raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, "
                          f"max_len={max_len}")
     start = max_len - cache_len

@@ -45,6 +45,11 @@ _PLAIN = re.compile(r"[-\u2212]?[\d.,]+")
 # (squared or cubed: "25\text{ cm}^2")
 _DECORATION = re.compile(r"\\(?:left|right|[,;: ])|\\?[$%]|\^\{?\\circ\}?|\u00b0|\\degree\b|"
                          r"\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*\}(?:\^\{?\d\}?)?")
+# a number set in a font (digits inside: a unit's \text{ cm} is decoration, above)
+_FONT = re.compile(r"\\(?:text|textbf|textrm|mathbf|mathrm|mbox|boldsymbol)\{([^{}]*\d[^{}]*)\}")
+# digits past which a number is no answer (int() refuses 4300: the number before it is not
+# the answer either)
+_MAX_DIGITS = 4000
 _MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
 # the whole part of a mixed number in running text: an integer standing alone (after a space,
 # a line break or the start; not a time's "10:30", a ratio's "3:1", a date's "10-05" or an
@@ -96,11 +101,30 @@ def _value(token: str) -> str | None:
         return None
 
 
+def _unbraced(text: str) -> str:
+    """text without braces that enclose all of it: "{{5}}" -> "5" ("{1}{2}" stays)."""
+    text = text.strip()
+    while text.startswith("{") and text.endswith("}"):
+        depth = 0
+        for j, c in enumerate(text):
+            depth += {"{": 1, "}": -1}.get(c, 0)
+            if depth == 0:
+                break
+        if j != len(text) - 1:  # the first brace closes before the end
+            return text
+        text = text[1:-1].strip()
+    return text
+
+
 def _boxed_number(boxed: str) -> str | None:
     """The value of a box that holds one number (a sign, a fraction, a mixed number "1 1/2" or
     "1\\frac{1}{2}", "x = 5", with $, %, degrees or a \\text{} unit around it); None for any
     other box (\\sqrt{2}, 2\\pi, 10^{3}, (1,2)): its digits are not its value."""
     text = _LATEX_FRACTION.sub(_fraction, boxed).replace("\\!", "")  # MATH's 10,\\!000
+    text = text.replace("{,}", ",")  # LaTeX's 1{,}000
+    text = _FONT.sub(r"\1", text)  # \text{5}, \mathbf{5}: the number in a font
+    text = _unbraced(text)  # {5}, {{5}}
+    text = re.sub(r"^\s*\+\s*(?=[\d.])", "", text)  # +5
     text = re.sub(r"^\s*[A-Za-z]\w*\s*=", "", text)
     text = " ".join(_DECORATION.sub(" ", text).split()).rstrip(". ")
     text = re.sub(r"^([-\u2212]) (?=[\d.])", r"\1", text)  # "- 5"
@@ -140,6 +164,8 @@ def _last_number(text: str) -> str | None:
     """The value of the last number in running text (final_number's rule without boxes)."""
     text = _LATEX_FRACTION.sub(_fraction, text)
     for m in reversed(list(_NUMBER.finditer(text))):
+        if sum(c.isdigit() for c in m.group(0)) > _MAX_DIGITS:
+            return None
         value = _value(m.group(0))  # "3/0" is no number: take the one before it
         if value is not None:
             whole = _WHOLE_BEFORE.search(text, 0, m.start())

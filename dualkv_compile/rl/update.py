@@ -144,6 +144,9 @@ def mini_batches(groups: int, group_size: int, updates: int) -> list[tuple[slice
     consecutive runs of whole groups, as equal as possible (DAPO's and veRL's mini-batches). A
     mini-batch left without a group (fewer groups than updates) gets the first group's rows
     with real=False, to run at weight 0, so that every rank runs the same collectives."""
+    groups = integer_arg("groups", groups, 0)
+    group_size = integer_arg("group_size", group_size, 1)
+    updates = integer_arg("updates", updates, 1)
     out = []
     for u in range(updates):
         lo, hi = groups * u // updates, groups * (u + 1) // updates

@@ -109,3 +109,11 @@ def test_group_advantages_refuse_non_finite_rewards():
 
     with pytest.raises(ValueError, match=r"non-finite values in groups \[1\]"):
         group_advantages(torch.tensor([[1.0, 0.0], [float("nan"), 1.0]]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_no_groups_asked_for_is_named(dynamic):
+    # groups=0 raised NoGroupWithSignal, "dynamic sampling found no group", with it off
+    with pytest.raises(ValueError, match="groups=0 must be an integer >= 1"):
+        scored_groups(lambda need: None, lambda prompts: None, lambda *a: None, groups=0,
+                      group_size=2, dynamic_sampling=dynamic, pad_id=0)

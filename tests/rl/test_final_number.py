@@ -56,6 +56,11 @@ def test_final_number_reads_values(text, value):
     ("x = 1e" + "0" * 4301 + "5", None), ("1" * 4301 + " 1/2", None),
     ("\\boxed{1 1/" + "7" * 4301 + "}", None),
     ("\\boxed{" + "9" * 4250 + " 1/" + "7" * 100 + "}", None),  # str() past the limit
+    ("1 1/" + "9" * 5000, None),  # the 1 before a number past the limit was taken
+    # LaTeX forms of a boxed number (each scored None, a right answer rewarded 0)
+    ("\\boxed{1{,}000}", "1000"), ("\\boxed{+5}", "5"), ("\\boxed{\\text{5}}", "5"),
+    ("\\boxed{\\textbf{5}}", "5"), ("\\boxed{\\mathbf{-5}}", "-5"), ("\\boxed{{5}}", "5"),
+    ("\\boxed{{{3/4}}}", "3/4"), ("\\boxed{{1}{2}}", None),
 ])
 def test_final_number_edges(text, value):
     assert final_number(text) == value

@@ -17,7 +17,8 @@ def test_group_advantages_normalise_within_each_group():
     assert torch.allclose(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
     assert torch.equal(a[1], torch.zeros(4))
     assert torch.allclose(group_advantages(r, scale=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
-    with pytest.raises(ValueError, match=r"\[groups, samples\], got shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"\[groups, samples\] with at least one of each, "
+                                         r"got shape \(4,\)"):
         group_advantages(r[0])
     # 0/1 rule rewards as ints or bools: the same advantages as their float form
     assert torch.equal(group_advantages(r[:1].long()), a[:1])
@@ -133,6 +134,26 @@ def test_kl_term_is_k3_and_its_gradient_pulls_to_the_reference():
     assert torch.isclose(stats["kl"], k3 / 2)
     loss.backward()
     assert lp.grad[0, 0] > 0 and lp.grad[0, 1] == 0  # above the reference: pushed down
+
+
+def test_bad_shaping_arguments_are_named():
+    # each was accepted: eps < 0 gave infinite advantages, a [G, 0] batch a torch warning and an
+    # empty result, fractional or negative lengths a penalty band of no meaning, updates=0 no
+    # update at all
+    from dualkv_compile.rl import mini_batches
+
+    with pytest.raises(ValueError, match=r"eps=-0.5 must be a finite number >= 0.0"):
+        group_advantages(torch.tensor([[0.0, 1.0]]), eps=-0.5)
+    with pytest.raises(ValueError, match=r"at least one of each, got shape \(2, 0\)"):
+        group_advantages(torch.zeros(2, 0))
+    with pytest.raises(ValueError, match=r"cache_len=0.5 must be an integer >= 1"):
+        overlong_penalty(torch.tensor([3, 9]), max_len=12, cache_len=0.5)
+    with pytest.raises(ValueError, match=r"max_len=-2 must be an integer >= 1"):
+        overlong_penalty(torch.tensor([3, 9]), max_len=-2, cache_len=1)
+    for args, match in (((4, 2, 0), "updates=0"), ((4, 2, -1), "updates=-1"),
+                        ((4, 0, 2), "group_size=0"), ((-1, 2, 2), "groups=-1")):
+        with pytest.raises(ValueError, match=match + " must be an integer"):
+            mini_batches(*args)
 
 
 def test_bad_loss_settings():
