@@ -36,8 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import (NoGroupWithSignal, group_advantages, peak_bf16_tflops,
-                               policy_update_flops)
+from dualkv_compile.rl import (NoGroupWithSignal, group_advantages, needs_reference,
+                               peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.metric_log import close_logger, log_step, open_metric_logger
 from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
@@ -131,18 +131,26 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             self.model_config = (json.loads(source.read_text())
                                  if source is not None and source.is_file() else None)
         self.model.to(device=self.device, dtype=self.dtype)
-        self.ref_model = ddp.reference_copy(self.model)  # shaped like the policy: shared compiles
+        self.loss_fn = instantiate_checked("loss", cfg.loss)
+        # a loss without a KL term (kl_coef=0, DAPO's) needs no reference model: neither its
+        # memory nor its forward (TRL and veRL skip it too)
+        self.ref_model = (ddp.reference_copy(self.model)  # shaped like the policy: shared compiles
+                          if needs_reference(self.loss_fn) else None)
+        if self.ref_model is None and self.rank == 0:
+            print("loss.kl_coef=0: no reference model is built or run (kl logs 0)", flush=True)
+        references = [] if self.ref_model is None else [self.ref_model]
         if cfg.get("enable_activation_checkpointing", False):
             # per-layer checkpointing (torchtune's, or transformers' own); optimize() inlines the
             # checkpointed layers and recomputes them in the backward, except the shared-prefix
             # attention (docs/api.md)
-            ddp.checkpoint_layers(self.model)
-            ddp.checkpoint_layers(self.ref_model)
+            for model in [self.model, *references]:
+                ddp.checkpoint_layers(model)
         reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
         ddp.shard_decoder(self.model, reshard_after_forward=reshard)
         # the reference runs no backward, which is where FSDP reshards what a forward left
         # gathered: it always reshards after its forward, or it would stay whole on every rank
-        ddp.shard_decoder(self.ref_model, reshard_after_forward=True)
+        for model in references:
+            ddp.shard_decoder(model, reshard_after_forward=True)
         dcfg = dk.DualKVConfig(enabled=bool(cfg.dualkv.enabled), fallback=cfg.dualkv.fallback,
                                attention_backend=cfg.dualkv.get("attention_backend", "auto"),
                                bucket_growth=float(cfg.dualkv.get("bucket_growth", 1.0)),
@@ -156,8 +164,8 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             steps_per_graph=int(cfg.get("rollout_steps_per_graph", 16))))
         check_model_fit(cfg, self.tokenizer, self.task, self.rollout_engine.decoder, dcfg)
         self.policy = refused_as_config("dualkv", lambda: dk.optimize(self.model, dcfg))
-        self.reference = dk.optimize(self.ref_model, dcfg, share_compiles_with=self.policy)
-        self.loss_fn = instantiate_checked("loss", cfg.loss)
+        self.reference = (None if self.ref_model is None else
+                          dk.optimize(self.ref_model, dcfg, share_compiles_with=self.policy))
         self.optimizer = instantiate_checked("optimizer", cfg.optimizer, self.model.parameters())
         # sampling differs per rank; the task's prompt order is shared (see _sample_prompts)
         self.rng = torch.Generator(device=self.device).manual_seed(cfg.seed + self.rank)
@@ -211,7 +219,8 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
                     max_tokens=cfg.get("max_tokens_per_micro_batch"), updates=updates)
         with torch.no_grad():
             old = micro_batched_logprobs(self.policy, tokens, mask, p, **plan)
-            ref = micro_batched_logprobs(self.reference, tokens, mask, p, **plan)
+            ref = (None if self.reference is None else
+                   micro_batched_logprobs(self.reference, tokens, mask, p, **plan))
         taken = []  # the StepStats of the updates that stepped the optimizer
         # the groups in `updates` consecutive mini-batches, an optimizer step each (DAPO's and
         # veRL's mini-batches): `old` stays the sampling policy's, so from the second on the
@@ -220,7 +229,8 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         for rows, real in mini_batches(groups, n, updates):
             stats = optimizer_step(
                 self.policy, self.loss_fn, self.optimizer, tokens[rows], mask[rows], p,
-                old[rows], ref[rows], advantages[rows], group_size=n, temperature=temp,
+                old[rows], None if ref is None else ref[rows], advantages[rows],
+                group_size=n, temperature=temp,
                 micro_batch_groups=cfg.micro_batch_groups, max_grad_norm=cfg.max_grad_norm,
                 max_tokens=cfg.get("max_tokens_per_micro_batch"), counted=bool(counted and real),
                 loss_mask=loss_mask[rows])
@@ -242,7 +252,8 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             resp_mask.sum() * counted, rewards.sum() * counted, rewards.shape[0] * counted,
             sampled.sum(), sampled.numel(), lengths.sum() * counted,
             truncated.sum() * counted, packed.replicated_tokens,
-            packed.num_tokens, policy_update_flops(self.model, packed))
+            packed.num_tokens,
+            policy_update_flops(self.model, packed, reference=self.reference is not None))
         step_time, rollout_time, update_time, rollout_peak, update_peak = ddp.all_max(
             t_end - t0, t_rollout - t0, t_end - t_rollout, rollout_peak,
             _peak_memory_gib(self.device, reset=True))

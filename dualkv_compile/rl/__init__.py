@@ -4,7 +4,8 @@ Configs reference them by `_component_` path (e.g. dualkv_compile.rl.GRPOLoss)."
 from .dynamic_sampling import NoGroupWithSignal, ScoredGroups, scored_groups
 from .flops import forward_flops, peak_bf16_tflops, policy_update_flops
 from .hf_tokenizer import HFTokenizer
-from .losses import GRPOLoss, group_advantages, groups_with_signal, overlong_penalty
+from .losses import (GRPOLoss, group_advantages, groups_with_signal, needs_reference,
+                     overlong_penalty)
 from .metric_log import TensorBoardLogger
 from .math_task import MathJSONLTask, final_number
 from ..rollout import generate_groups, plan_calls
@@ -34,6 +35,7 @@ __all__ = [
     "groups_with_signal",
     "micro_batched_logprobs",
     "mini_batches",
+    "needs_reference",
     "optimizer_step",
     "overlong_penalty",
     "peak_bf16_tflops",

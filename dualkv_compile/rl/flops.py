@@ -52,10 +52,11 @@ def forward_flops(model: nn.Module, packed: PackedBatch) -> float:
             + 2.0 * vocab * dim * response_tokens)
 
 
-def policy_update_flops(model: nn.Module, packed: PackedBatch) -> float:
+def policy_update_flops(model: nn.Module, packed: PackedBatch, *,
+                        reference: bool = True) -> float:
     """The old and reference logprob forwards and the policy's forward + backward (a backward
-    costs two forwards): five forwards."""
-    return 5.0 * forward_flops(model, packed)
+    costs two forwards): five forwards; four without a reference model (kl_coef=0)."""
+    return (5.0 if reference else 4.0) * forward_flops(model, packed)
 
 
 def peak_bf16_tflops(device: torch.device) -> float | None:

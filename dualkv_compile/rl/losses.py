@@ -18,7 +18,8 @@ from torch import Tensor
 
 from ..arguments import integer_arg, real_arg
 
-__all__ = ["GRPOLoss", "group_advantages", "groups_with_signal", "overlong_penalty"]
+__all__ = ["GRPOLoss", "group_advantages", "groups_with_signal", "needs_reference",
+           "overlong_penalty"]
 
 
 def group_advantages(rewards: Tensor, *, eps: float = 1e-6, scale: bool = True) -> Tensor:
@@ -48,16 +49,28 @@ def groups_with_signal(rewards: Tensor) -> Tensor:
     return (rewards != rewards[:, :1]).any(1)
 
 
-def _at_tokens(mask: Tensor, *values: Tensor) -> list[Tensor]:
+def needs_reference(loss_fn) -> bool:
+    """Whether a loss needs the reference model's logprobs: not with kl_coef=0 (a loss without
+    a KL term, DAPO's), which takes ref_logprobs=None. A loss without kl_coef does."""
+    return getattr(loss_fn, "kl_coef", None) != 0
+
+
+def _at_tokens(mask: Tensor, *values: Tensor | None) -> list[Tensor | None]:
     """Each [B, R] value with 0 at padding: padding may hold anything (NaN, -inf), which a
-    weight of 0 would not cancel (NaN * 0), in the loss or in its gradient."""
-    return [torch.where(mask, v, torch.zeros_like(v)) for v in values]
+    weight of 0 would not cancel (NaN * 0), in the loss or in its gradient. (None: no
+    reference, passed on.)"""
+    return [None if v is None else torch.where(mask, v, torch.zeros_like(v)) for v in values]
 
 
 def _check_tensors(**named) -> None:
     for name, value in named.items():
         if not isinstance(value, Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(value).__name__}")
+
+
+def _given(**values) -> dict:
+    """The values that are not None (an optional tensor checked only when given)."""
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def _check_mask(mask) -> None:
@@ -115,11 +128,15 @@ class GRPOLoss:
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor,
                  advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """logprobs/old/ref [B, R], advantages [B], mask [B, R] (True = response token).
-        Returns (loss, stats) with stats kl, clip_fraction and ratio (detached means)."""
-        _check_tensors(logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                       advantages=advantages, mask=mask)
-        shapes = [tuple(t.shape) for t in (logprobs, old_logprobs, ref_logprobs, mask)]
+        """logprobs/old/ref [B, R], advantages [B], mask [B, R] (True = response token); ref
+        None with kl_coef=0 (no reference model). Returns (loss, stats) with stats kl (0 without
+        a reference), clip_fraction and ratio (detached means)."""
+        self._check_reference(ref_logprobs)
+        _check_tensors(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+                       mask=mask, **_given(ref_logprobs=ref_logprobs))
+        shapes = [tuple(t.shape) for t in (logprobs, old_logprobs,
+                                           logprobs if ref_logprobs is None else ref_logprobs,
+                                           mask)]
         if len(set(shapes)) > 1 or advantages.shape != logprobs.shape[:1]:
             raise ValueError(f"GRPOLoss needs logprobs, old, ref and mask of one shape [B, R] and "
                              f"advantages [B]; got {shapes[:3]}, {shapes[3]} and "
@@ -129,6 +146,12 @@ class GRPOLoss:
         per_token = self._per_token(*_at_tokens(mask, logprobs, old_logprobs, ref_logprobs), adv)
         loss = (per_token * self.token_weights(mask).to(per_token.dtype)).sum()
         return loss, self.stats(logprobs, old_logprobs, ref_logprobs, mask)
+
+    def _check_reference(self, ref_logprobs) -> None:
+        if ref_logprobs is None and self.kl_coef != 0:
+            raise ValueError(f"ref_logprobs is None, but the KL term (kl_coef={self.kl_coef}) "
+                             f"needs the reference's logprobs; set kl_coef=0 to train without "
+                             f"a reference model")
 
     def token_weights(self, mask: Tensor) -> Tensor:
         """[B, R]: the loss is the sum of the per-token terms times these (the aggregation)."""
@@ -150,20 +173,22 @@ class GRPOLoss:
         old/ref/mask are [B, R] (mask: the response mask, not the [B, L] padding mask) and
         advantages [B], of the rows response_loss gets. The function carries `response_shape`
         = (B, R) and `response_mask`, which response_loss checks against its tokens'
-        (B, L - prompt_len) and their padding mask."""
-        _check_tensors(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                       advantages=advantages, mask=mask)
+        (B, L - prompt_len) and their padding mask. ref None with kl_coef=0."""
+        self._check_reference(ref_logprobs)
+        _check_tensors(old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                       **_given(ref_logprobs=ref_logprobs))
         shapes = {name: tuple(x.shape) for name, x in [
             ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
-            ("advantages", advantages), ("mask", mask)]}
+            ("advantages", advantages), ("mask", mask)] if x is not None}
         br = shapes["mask"]  # (B, R)
-        if (len(br) != 2 or shapes["old_logprobs"] != br or shapes["ref_logprobs"] != br
-                or shapes["advantages"] != br[:1]):
+        if (len(br) != 2 or shapes["old_logprobs"] != br
+                or shapes.get("ref_logprobs", br) != br or shapes["advantages"] != br[:1]):
             raise ValueError(f"token_loss needs old_logprobs, ref_logprobs and mask of one "
                              f"shape [B, R] and advantages [B]; got {shapes}")
         _check_mask(mask)
         weights = (self.token_weights(mask) * scale).flatten()
-        old, ref, flat_mask = old_logprobs.flatten(), ref_logprobs.flatten(), mask.flatten()
+        old, flat_mask = old_logprobs.flatten(), mask.flatten()
+        ref = None if ref_logprobs is None else ref_logprobs.flatten()
         adv = advantages[:, None].expand_as(old_logprobs).flatten()
 
         def loss(logprobs: Tensor, index: Tensor) -> Tensor:
@@ -171,7 +196,8 @@ class GRPOLoss:
             # out (DAPO's filtered responses) may hold NaN or -inf old logprobs, which their
             # weight of 0 would not cancel
             per_token = self._per_token(*_at_tokens(flat_mask[index], logprobs, old[index],
-                                                    ref[index]), adv[index])
+                                                    None if ref is None else ref[index]),
+                                        adv[index])
             return per_token * weights[index].to(per_token.dtype)
 
         # response_loss checks both against its tokens: a flat index into another shape
@@ -191,9 +217,12 @@ class GRPOLoss:
             cap = math.log1p(self.epsilon_high) + 1.0
             log_ratio = torch.where(advantages >= 0, log_ratio.clamp_max(cap), log_ratio)
         ratio = torch.exp(log_ratio)
-        diff = ref_logprobs - logprobs
-        return (ratio, ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high),
-                torch.exp(diff) - diff - 1)
+        if ref_logprobs is None:  # no reference (kl_coef=0): no KL term
+            kl = torch.zeros_like(ratio)
+        else:
+            diff = ref_logprobs - logprobs
+            kl = torch.exp(diff) - diff - 1
+        return ratio, ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high), kl
 
     def _per_token(self, logprobs, old_logprobs, ref_logprobs, advantages):
         """The clipped policy term plus the KL term of each token; elementwise."""
@@ -206,14 +235,15 @@ class GRPOLoss:
               mask: Tensor) -> dict[str, Tensor]:
         """Token means of the KL estimate, the clipped fraction (tokens whose ratio lies
         outside [1 - epsilon_low, 1 + epsilon_high], whether or not the clipped term is the one
-        the loss takes for its advantage's sign) and the ratio."""
+        the loss takes for its advantage's sign) and the ratio; kl 0 without a reference."""
+        self._check_reference(ref_logprobs)
         _check_mask(mask)
         acc = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 sums skew the means
         m = mask.to(acc)
         n = m.sum().clamp_min(1)
-        ratio, clipped, kl = self._ratio_kl(*_at_tokens(mask, logprobs.to(acc),
-                                                        old_logprobs.to(acc),
-                                                        ref_logprobs.to(acc)))
+        ratio, clipped, kl = self._ratio_kl(*_at_tokens(
+            mask, logprobs.to(acc), old_logprobs.to(acc),
+            None if ref_logprobs is None else ref_logprobs.to(acc)))
         return {"kl": (kl * m).sum() / n,
                 "clip_fraction": ((ratio != clipped).to(m.dtype) * m).sum() / n,
                 "ratio": (ratio * m).sum() / n}

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from . import distributed as ddp
+from .recipe_config import ConfigError
 from .resume_checks import apply_config_changes, check_resume_model
 from .run_guard import RunFailed, check_finite_weights, write_checkpoint
 
@@ -35,7 +36,8 @@ class RecipeCheckpoints:
         those of the start of a step that failed (default: the current ones)."""
         rng, torch_rng, task = random_states or self._random_states()
         model, optimizer = ddp.full_state_dicts(self.model, self.optimizer)
-        ref, _ = ddp.full_state_dicts(self.ref_model, None)
+        # (no reference model with kl_coef=0: saved as None)
+        ref = None if self.ref_model is None else ddp.full_state_dicts(self.ref_model, None)[0]
         rngs = ddp.gather_objects((rng, torch_rng))
         self.saved_step = self.step  # on every rank: they decide alike whether to save again
         if self.rank != 0:
@@ -62,7 +64,13 @@ class RecipeCheckpoints:
         ddp.load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
         apply_config_changes(self.optimizer, self.config_changes, step=state["step"],
                              announce=self.rank == 0)
-        ddp.load_full_state_dicts(self.ref_model, None, state["ref_model"], None)
+        if self.ref_model is not None:
+            if state["ref_model"] is None:  # the reference (the starting weights) is gone
+                raise ConfigError([f"loss.kl_coef: {self._checkpoint_path()} was written by a "
+                                   f"run with kl_coef=0, which kept no reference model; a "
+                                   f"resumed run cannot add the KL term (keep kl_coef=0, or "
+                                   f"start a new run)"])
+            ddp.load_full_state_dicts(self.ref_model, None, state["ref_model"], None)
         self.task.load_state_dict(state["task"])
         rng, torch_rng = state["rngs"][self.rank]
         self.rng.set_state(rng)

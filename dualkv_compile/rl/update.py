@@ -21,6 +21,7 @@ from ..arguments import as_index, as_real, integer_arg
 from ..layout.batch_checks import as_padding_mask
 from ..layout.plan import micro_batch_rows
 from ..fsdp import is_sharded
+from .losses import needs_reference
 from . import distributed as ddp
 
 __all__ = ["NonFiniteGradient", "StepStats", "micro_batched_logprobs", "mini_batches",
@@ -42,13 +43,14 @@ class StepStats(NamedTuple):
 
 
 def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Tensor,
-                   mask: Tensor, prompt_len: int, old: Tensor, ref: Tensor, advantages: Tensor,
+                   mask: Tensor, prompt_len: int, old: Tensor, ref: Tensor | None,
+                   advantages: Tensor,
                    *, group_size: int, temperature: float, max_grad_norm: float,
                    micro_batch_groups: int = 1, max_tokens: int | None = None,
                    counted: bool = True, loss_mask: Tensor | None = None) -> StepStats:
     """policy: a DualKVModel; loss_fn: a GRPOLoss; tokens, mask [G*N, P+R] group-major;
-    old, ref [G*N, R] logprobs (the sampling policy's and the reference's, at `temperature`);
-    advantages [G*N]. counted=False runs the rows at weight 0 (a rank with nothing to train
+    old, ref [G*N, R] logprobs (the sampling policy's and the reference's, at `temperature`;
+    ref None for a loss without a KL term, kl_coef=0); advantages [G*N]. counted=False runs the rows at weight 0 (a rank with nothing to train
     on, which must still join the collectives). loss_mask [G*N, R]: the response tokens the
     loss counts, a subset of mask[:, prompt_len:] (the default); DAPO's overlong filtering
     passes it without the truncated responses, which still run through the model."""
@@ -69,7 +71,12 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
         if not isinstance(mask, Tensor) or mask.shape != tokens.shape:
             raise ValueError(f"mask must be a tensor of the tokens' shape {tuple(tokens.shape)}, "
                              f"got {getattr(mask, 'shape', type(mask).__name__)}")
-        p = _check_rows(tokens, prompt_len, old=old, ref=ref, advantages=advantages)
+        p = _check_rows(tokens, prompt_len, old=old, advantages=advantages,
+                        **({} if ref is None else {"ref": ref}))
+        if ref is None and needs_reference(loss_fn):  # before any micro-batch's gradients
+            raise ValueError(f"ref is None, but the loss has a KL term (kl_coef="
+                             f"{getattr(loss_fn, 'kl_coef', '?')}) that needs the reference's "
+                             f"logprobs; set kl_coef=0 to train without a reference model")
         x = as_real(max_grad_norm)
         if x is None or not x > 0:  # inf: no clipping
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a number > 0 (math.inf "
@@ -112,14 +119,14 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
             weight = resp_mask[rows].shape[0] / total_rows
         # the micro-batch's loss times its weight (and the world size) as a per-token loss:
         # the LM head computes its gradients in the forward pass (response_loss)
-        token_loss = loss_fn.token_loss(old[rows], ref[rows], advantages[rows], resp_mask[rows],
-                                        scale=weight * world_size)
+        token_loss = loss_fn.token_loss(old[rows], _rows(ref, rows), advantages[rows],
+                                        resp_mask[rows], scale=weight * world_size)
         loss, lp = policy.response_loss(tokens[rows], prompt_len=p, padding_mask=mask[rows],
                                         token_loss=token_loss, temperature=temperature)
         loss.backward()
         loss_sum += float(loss.detach()) / world_size
         if real:
-            stats = loss_fn.stats(lp, old[rows], ref[rows], resp_mask[rows])
+            stats = loss_fn.stats(lp, old[rows], _rows(ref, rows), resp_mask[rows])
             share = float(resp_mask[rows].sum()) / total_tokens  # of the token means
             kl_sum += float(stats["kl"]) * share
             clip_sum += float(stats["clip_fraction"]) * share
@@ -199,6 +206,10 @@ def _every_rank_batches(batches: list):
     so that every rank runs the same FSDP collectives."""
     for i in range(int(ddp.all_max(len(batches))[0])):
         yield (batches[i], True) if i < len(batches) else (batches[0], False)
+
+
+def _rows(x: Tensor | None, rows) -> Tensor | None:
+    return None if x is None else x[rows]
 
 
 def _check_rows(tokens: Tensor, prompt_len, **per_row: Tensor) -> int:

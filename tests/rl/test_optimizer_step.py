@@ -65,6 +65,23 @@ def test_the_step_is_the_plain_models_loss_gradient(aggregation, filtered):
         assert (unfiltered - update).norm() > 1e-3 * grad.norm()
 
 
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_without_a_reference_the_step_is_the_plain_models_kl_free_loss_gradient(aggregation):
+    # kl_coef=0 takes ref=None (no reference model): the same step as the plain model's loss
+    model, tokens, mask, p, old, ref, adv, _ = setup(aggregation)
+    loss_fn = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, kl_coef=0.0, aggregation=aggregation)
+    plain = copy.deepcopy(model)
+    stats, update = step(model, tokens, mask, p, old, None, adv, loss_fn, None)
+    lp = row_by_row_response_logprobs(plain, tokens, mask, p, temperature=T)
+    loss, _ = loss_fn(lp, old, ref, adv, mask[:, p:])
+    loss.backward()
+    grad = torch.cat([q.grad.flatten() for q in plain.parameters()])
+    assert abs(stats.loss - loss.item()) <= TOL * max(1.0, abs(loss.item()))
+    assert (update - grad).norm() <= TOL * grad.norm() and stats.kl == 0
+    with pytest.raises(ValueError, match=r"ref is None, but the loss has a KL term"):
+        step(plain, tokens, mask, p, old, None, adv, GRPOLoss(), None)
+
+
 def test_uncounted_rows_change_nothing():
     # counted=False: a rank with no group of its own runs rows at weight 0 (FSDP's collectives)
     model, tokens, mask, p, old, ref, adv, loss_fn = setup("sequence")

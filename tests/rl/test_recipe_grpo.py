@@ -274,3 +274,26 @@ def test_the_tiny_moe_config_trains_and_dualkv_on_and_off_agree(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
         assert a["reward"] == b["reward"] and a["rho"] > 1
     assert all(h["grad_norm"] > 0 for h in on.history)
+
+
+def test_kl_coef_0_trains_the_same_without_a_reference_model(tmp_path, monkeypatch):
+    # the reference was built, sharded, checkpointed and run for a KL term times 0, and its
+    # forward counted in mfu_useful (TRL and veRL build none then)
+    from dualkv_compile import rl
+
+    free = run(tmp_path, "free", num_steps=3, **{"loss.kl_coef": 0.0})
+    assert free.ref_model is None and free.reference is None
+    monkeypatch.setattr(rl, "needs_reference", lambda loss_fn: True)  # the old recipe's way
+    kept = run(tmp_path, "kept", num_steps=3, **{"loss.kl_coef": 0.0})
+    assert kept.reference is not None
+    for a, b in zip(free.history, kept.history):
+        for key in ("loss", "grad_norm", "response_logprob", "reward", "clip_fraction"):
+            assert a[key] == b[key], (a["step"], key)
+        assert a["kl"] == 0 and b["kl"] > 0 or a["step"] == 1
+    saved = torch.load(tmp_path / "free" / "checkpoint.pt", weights_only=True)
+    assert saved["ref_model"] is None
+    from dualkv_compile.rl.recipe_config import ConfigError
+
+    with pytest.raises(ConfigError, match="kl_coef=0, which kept no reference model"):
+        run(tmp_path, "free", num_steps=4, resume_from_checkpoint=True,
+            **{"loss.kl_coef": 0.02})

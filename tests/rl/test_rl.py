@@ -282,3 +282,31 @@ def test_stats_of_bf16_logprobs_count_in_float32():
     got = loss_fn.stats(half[0], half[1], half[0], mask)["clip_fraction"]
     want = loss_fn.stats(half[0].double(), half[1].double(), half[0].double(), mask)
     assert abs(got.item() - want["clip_fraction"].item()) < 1e-6
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_kl_coef_0_takes_no_reference(aggregation):
+    # the reference's logprobs entered a KL term multiplied by 0 (TRL and veRL build no
+    # reference then); None is now taken, with the same loss and gradient
+    from dualkv_compile.rl import needs_reference
+
+    g = torch.Generator().manual_seed(3)
+    lp = torch.randn(4, 5, dtype=torch.float64, generator=g).requires_grad_()
+    old, ref = (torch.randn(4, 5, dtype=torch.float64, generator=g) for _ in range(2))
+    adv = torch.randn(4, dtype=torch.float64, generator=g)
+    mask = torch.rand(4, 5, generator=g) > 0.3
+    loss_fn = GRPOLoss(kl_coef=0.0, aggregation=aggregation)
+    assert not needs_reference(loss_fn) and needs_reference(GRPOLoss())
+    with_ref, stats = loss_fn(lp, old, ref, adv, mask)
+    without, free_stats = loss_fn(lp, old, None, adv, mask)
+    assert with_ref.item() == without.item() and free_stats["kl"].item() == 0.0
+    assert torch.equal(*(torch.autograd.grad(x, lp)[0] for x in (with_ref, without)))
+    assert free_stats["clip_fraction"] == stats["clip_fraction"]
+    index = mask.flatten().nonzero()[:, 0]
+    per_token = [loss_fn.token_loss(old, r, adv, mask)(lp.flatten()[index], index).sum()
+                 for r in (ref, None)]
+    assert per_token[0].item() == per_token[1].item() == pytest.approx(with_ref.item())
+    with pytest.raises(ValueError, match=r"ref_logprobs is None, but the KL term \(kl_coef=0.04"):
+        GRPOLoss()(lp, old, None, adv, mask)
+    with pytest.raises(ValueError, match=r"ref_logprobs is None"):
+        GRPOLoss().token_loss(old, None, adv, mask)
