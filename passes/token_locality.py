@@ -4,7 +4,8 @@ Running the model on the packed sequence is exact only if no op other than the (
 attention mixes tokens. The proof follows the token axis of every tensor from the packed
 inputs (tokens and positions, axis 1) through the graph:
 
-- ops with a rule here (and in _locality_indexing.py, _locality_products.py) keep the axis
+- ops with a rule here (and in _locality_indexing.py, _locality_lengths.py,
+  _locality_products.py) keep the axis
   where the rule says (pointwise with broadcasting, linear,
   embedding, norms and reductions over other dims, views, transposes, indexing that leaves the
   axis whole, cat/stack/split along other dims, matmul that does not contract over tokens,
@@ -31,6 +32,7 @@ from dualkv_compile.stats import counters
 from ._common import (REWRITTEN, Refusal, arg_of, example, may_write, op_name, regions_ops,
                       source_line, token_local_ops)
 from ._locality_indexing import IndexingRules
+from ._locality_lengths import LengthRules
 from ._locality_products import ProductRules
 
 __all__ = ["prove_token_locality"]
@@ -60,16 +62,11 @@ _EXPANDS = {"expand", "expand_as", "broadcast_to"}
 _SHAPE_QUERIES = {"size", "dim", "numel", "_log_api_usage_once", "is_floating_point",
                   "get_device"}
 _MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
-# ops that cut or widen a tensor's axes (to the packed length T: note_length_axis)
-_RESIZES = {"getitem", "narrow", "expand", "expand_as", "broadcast_to", "repeat", "tile",
-            "repeat_interleave", "pad", "constant_pad_nd", "as_strided", "index_select",
-            "new_ones", "new_zeros", "new_full", "new_empty"}
-_SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unbind"}
 _SHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_",
                    "resize_", "resize_as_", "as_strided_", "set_", "unflatten_", "flatten_"}
 
 
-class _Proof(IndexingRules, ProductRules):
+class _Proof(IndexingRules, LengthRules, ProductRules):
     def __init__(self, graph: fx.Graph, tokens: fx.Node, positions: fx.Node, layout: set):
         self.axis: dict[fx.Node, object] = {tokens: 1, positions: 1}
         # tokens per index of the sequence axis: 1, or k where each token's rows were repeated
@@ -123,38 +120,6 @@ class _Proof(IndexingRules, ProductRules):
                                       f"positions instead")
                 self.no_length_axis(node, a)
         return found
-
-    def no_length_axis(self, node, a):
-        """A tensor without tokens with an axis of the packed length T made from that length
-        (see note_length_axis), meeting token data: arange(T), ones(D, T), a table cut to T,
-        made from the sequence length, which each row had as its own."""
-        if a in self.length_axis:
-            self.refuse(node, f"operand {a.name} {tuple(example(a).shape)} is built in the "
-                              f"graph with an axis of the packed length T={self.t} (e.g. "
-                              f"arange over the sequence); each row has its own length")
-
-    def note_length_axis(self, node):
-        """Follow the tensors without tokens that have an axis of the packed length T made from
-        it: built in the graph from no input (arange(T), ones(D, T)), cut or widened to T by
-        indexing, splitting, padding, repeating or expanding (pos_table[:T], c.expand(T)), and
-        what is computed from those
-        keeping such an axis (arange(T) * alpha). Not a tensor computed from weights or buffers
-        alone, which may have that size by chance: RoPE's inv_freq at head dim 256, a LoRA
-        product, DoRA's scale."""
-        out = example(node)
-        if (self.t <= 1 or node.op not in ("call_function", "call_method")
-                or not isinstance(out, Tensor) or self.t not in out.shape):
-            return
-        inputs = node.all_input_nodes
-        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if first is not None and op_name(first) in _SPLITS:  # a piece of split(...): its input
-            first = first.args[0] if first.args and isinstance(first.args[0], fx.Node) else None
-        src = example(first) if first is not None else None
-        if (all(i in self.built_from_nothing for i in inputs)
-                or any(i in self.length_axis for i in inputs)
-                or (op_name(node) in _RESIZES and isinstance(src, Tensor)
-                    and list(out.shape).count(self.t) > list(src.shape).count(self.t))):
-            self.length_axis.add(node)
 
     def dropout(self, node, out):
         """Dropout in training draws one mask per packed element: the N rows of a group would
