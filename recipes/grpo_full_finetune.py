@@ -114,6 +114,8 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         if cfg.get("overlong_filter") and not self.tokenizer.stop_tokens:
             raise ConfigError(["overlong_filter=true needs a tokenizer with stop tokens: "
                                "without one every response is truncated"])
+        self.loss_fn = instantiate_checked("loss", cfg.loss)
+        self.check_reference_kept(needs_reference(self.loss_fn))
         with self.device:  # initialise on the device: random init of GPU-sized models is fast there
             self.model = instantiate_checked("model", cfg.model)
         # a torchtune checkpointer (e.g. dualkv_compile.models.Qwen3HFCheckpointer) loads the
@@ -131,7 +133,6 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             self.model_config = (json.loads(source.read_text())
                                  if source is not None and source.is_file() else None)
         self.model.to(device=self.device, dtype=self.dtype)
-        self.loss_fn = instantiate_checked("loss", cfg.loss)
         # a loss without a KL term (kl_coef=0, DAPO's) needs no reference model: neither its
         # memory nor its forward (TRL and veRL skip it too)
         self.ref_model = (ddp.reference_copy(self.model)  # shaped like the policy: shared compiles

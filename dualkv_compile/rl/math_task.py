@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 # a number: a sign (ASCII or Unicode minus) unless it follows a digit or letter ("10-5",
 # "2023-10-05" are no negative numbers); digits with thousands separators in groups of three,
 # plain digits, or a leading decimal point; an exponent ("3.14e2") or a fraction bar
-_NUMBER = re.compile(r"(?:(?<!\w)[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+_NUMBER = re.compile(r"(?:(?<!\w)[-\u2212])?(?:[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+                     r"|\.\d+)"
                      r"(?:[eE][-+]?\d+|/\d+)?")
 # LaTeX fractions, as MATH writes answers: \frac{3}{4}, \dfrac{-1}{2}, \tfrac, -\frac{3}{4},
 # and the brace-free \frac12 (each argument in braces or one digit)
@@ -50,6 +51,10 @@ _FONT = re.compile(r"\\(?:text|textbf|textrm|mathbf|mathrm|mbox|boldsymbol)\{([^
 # digits past which a number is no answer (int() refuses 4300: the number before it is not
 # the answer either)
 _MAX_DIGITS = 4000
+# a word in \text{} between two numbers: the box holds no one number (its removal as a unit
+# would leave "7 125", read as seven thousand)
+_WORD_BETWEEN = re.compile(r"(?<=[\d}])\s*\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*[A-Za-z][^{}\d]*\}"
+                           r"\s*(?=[\d\\])")
 _MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
 # the whole part of a mixed number in running text: an integer standing alone (after a space,
 # a line break or the start; not a time's "10:30", a ratio's "3:1", a date's "10-05" or an
@@ -58,7 +63,7 @@ _WHOLE_BEFORE = re.compile(r"(?<!\S)[-\u2212]?\d+ +$")
 # GSM8K's answer line: "#### 42" and nothing else on it (not a heading "#### Step 2: ...")
 _GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-\u2212]?[\d.,/]+)[ \t]*\.?[ \t]*$",
                          re.MULTILINE)
-_SPACED_THOUSANDS = re.compile(r"[-\u2212]?\d{1,3}(?: \d{3})+(?:\.\d+)?")
+_SPACED_THOUSANDS = re.compile(r"[-\u2212]?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
 
 
 def _fraction(m: re.Match) -> str:
@@ -102,18 +107,22 @@ def _value(token: str) -> str | None:
 
 
 def _unbraced(text: str) -> str:
-    """text without braces that enclose all of it: "{{5}}" -> "5" ("{1}{2}" stays)."""
+    """text without braces that enclose all of it: "{{5}}" -> "5" ("{1}{2}" stays); one pass."""
     text = text.strip()
-    while text.startswith("{") and text.endswith("}"):
-        depth = 0
-        for j, c in enumerate(text):
-            depth += {"{": 1, "}": -1}.get(c, 0)
-            if depth == 0:
-                break
-        if j != len(text) - 1:  # the first brace closes before the end
-            return text
-        text = text[1:-1].strip()
-    return text
+    close, opened = {}, []
+    for j, c in enumerate(text):
+        if c == "{":
+            opened.append(j)
+        elif c == "}" and opened:
+            close[opened.pop()] = j
+    lo, hi = 0, len(text) - 1
+    while lo < hi and close.get(lo) == hi:
+        lo, hi = lo + 1, hi - 1
+        while lo <= hi and text[lo].isspace():
+            lo += 1
+        while hi >= lo and text[hi].isspace():
+            hi -= 1
+    return text[lo:hi + 1]
 
 
 def _boxed_number(boxed: str) -> str | None:
@@ -121,7 +130,8 @@ def _boxed_number(boxed: str) -> str | None:
     "1\\frac{1}{2}", "x = 5", with $, %, degrees or a \\text{} unit around it); None for any
     other box (\\sqrt{2}, 2\\pi, 10^{3}, (1,2)): its digits are not its value."""
     text = _LATEX_FRACTION.sub(_fraction, boxed).replace("\\!", "")  # MATH's 10,\\!000
-    text = text.replace("{,}", ",")  # LaTeX's 1{,}000
+    text = re.sub(r"(?<=\d)\{,\}(?=\d)", ",", text)  # LaTeX's 1{,}000 (not \text{,})
+    text = _WORD_BETWEEN.sub(" \\nonumber ", text)  # "7 \text{ R } 125": not one number
     text = _FONT.sub(r"\1", text)  # \text{5}, \mathbf{5}: the number in a font
     text = _unbraced(text)  # {5}, {{5}}
     text = re.sub(r"^\s*\+\s*(?=[\d.])", "", text)  # +5

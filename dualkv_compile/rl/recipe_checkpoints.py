@@ -57,6 +57,15 @@ class RecipeCheckpoints:
             "task": task, "rngs": rngs, "config": self.plain_cfg,
             "model_config": self.model_config})
 
+    def check_reference_kept(self, needed: bool) -> None:
+        """Before the models are built: a checkpoint written without a reference model
+        (kl_coef=0) cannot resume a run whose loss needs one."""
+        if needed and self.resume_state is not None and self.resume_state["ref_model"] is None:
+            raise ConfigError([f"loss.kl_coef: {self._checkpoint_path()} was written by a run "
+                               f"with kl_coef=0, which kept no reference model (the starting "
+                               f"weights); a resumed run cannot add the KL term (keep "
+                               f"kl_coef=0, or start a new run)"])
+
     def _load_checkpoint(self):
         state, self.resume_state = self.resume_state, None  # read and checked in setup()
         check_resume_model(self._checkpoint_path(), state, ddp.weight_shapes(self.model),
@@ -64,12 +73,7 @@ class RecipeCheckpoints:
         ddp.load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
         apply_config_changes(self.optimizer, self.config_changes, step=state["step"],
                              announce=self.rank == 0)
-        if self.ref_model is not None:
-            if state["ref_model"] is None:  # the reference (the starting weights) is gone
-                raise ConfigError([f"loss.kl_coef: {self._checkpoint_path()} was written by a "
-                                   f"run with kl_coef=0, which kept no reference model; a "
-                                   f"resumed run cannot add the KL term (keep kl_coef=0, or "
-                                   f"start a new run)"])
+        if self.ref_model is not None:  # (check_reference_kept refused a checkpoint without)
             ddp.load_full_state_dicts(self.ref_model, None, state["ref_model"], None)
         self.task.load_state_dict(state["task"])
         rng, torch_rng = state["rngs"][self.rank]

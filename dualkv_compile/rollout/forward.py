@@ -244,7 +244,7 @@ class _HFDecoder(_Modules):
                                      f"{type(self.base.rotary_emb).__name__}.forward is not "
                                      "transformers' dynamic_rope_update over a plain forward")
         self.layers = [_unwrap(layer) for layer in self.base.layers]
-        attn = self.layers[0].self_attn
+        attn = _unwrap(self.layers[0].self_attn)  # its class's module has the RoPE function
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = attn.head_dim

@@ -61,6 +61,12 @@ def test_final_number_reads_values(text, value):
     ("\\boxed{1{,}000}", "1000"), ("\\boxed{+5}", "5"), ("\\boxed{\\text{5}}", "5"),
     ("\\boxed{\\textbf{5}}", "5"), ("\\boxed{\\mathbf{-5}}", "-5"), ("\\boxed{{5}}", "5"),
     ("\\boxed{{{3/4}}}", "3/4"), ("\\boxed{{1}{2}}", None),
+    # a decimal comma is no thousands separator; \text{,} stays one; a word between numbers
+    # makes no number (each once read as one: 125, 7125, 4500)
+    ("\\boxed{0{,}125}", None), ("\\boxed{0,125}", None), ("\\boxed{1\\text{,}000}", "1000"),
+    ("\\boxed{\\mathbf{7}\\text{ remainder }\\mathbf{125}}", None),
+    ("\\boxed{\\text{4}\\text{ and }\\text{500}}", None), ("\\boxed{2 \\text{ or } 500}", None),
+    ("\\boxed{" + "{" * 20_000 + "5" + "}" * 20_000 + "}", "5"),  # one pass, not quadratic
 ])
 def test_final_number_edges(text, value):
     assert final_number(text) == value
