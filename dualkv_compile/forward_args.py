@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layout.batch_checks import padding_mask_on
+from .layout.batch_checks import padding_mask_on, rows_with_gaps
 
 __all__ = ["padding_from_torchtune_mask", "row_positions", "split_forward_args"]
 
@@ -78,9 +78,7 @@ def _check_no_gaps(attention_mask: Tensor) -> None:
     """transformers' forward numbers positions 0..L-1 when position_ids is not given, across
     any padding; the packed layout numbers each row's valid tokens from 0. The two agree up to
     a shift (RoPE sees only differences) unless padding lies between a row's tokens."""
-    before = attention_mask.cummax(1).values
-    after = attention_mask.flip(1).cummax(1).values.flip(1)
-    gaps = (~attention_mask & before & after).any(1).nonzero()[:, 0].tolist()
+    gaps = rows_with_gaps(attention_mask)
     if gaps:
         raise ValueError(f"attention_mask rows {gaps[:8]} have padding between their tokens: "
                          "without position_ids the model numbers positions across it and the "

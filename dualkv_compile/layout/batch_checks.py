@@ -10,7 +10,8 @@ from torch import Tensor
 
 from ..arguments import integer_arg
 
-__all__ = ["as_padding_mask", "checked_prompt_len", "checked_runs", "checked_tokens"]
+__all__ = ["as_padding_mask", "checked_prompt_len", "checked_runs", "checked_tokens",
+           "padding_mask_on", "rows_with_gaps"]
 
 
 def _contiguous_runs(valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,6 +68,14 @@ def padding_mask_on(mask: Tensor, tokens: Tensor) -> Tensor:
     """as_padding_mask(mask) on the tokens' device: a mask built on the CPU for GPU tokens is
     moved, in the forward and in the backward's row indices alike."""
     return as_padding_mask(mask).to(tokens.device)
+
+
+def rows_with_gaps(mask: Tensor) -> list[int]:
+    """The rows of a [B, L] bool mask with a False between two Trues (padding inside a row's
+    tokens, not only around them)."""
+    before = mask.cummax(1).values
+    after = mask.flip(1).cummax(1).values.flip(1)
+    return (~mask & before & after).any(1).nonzero()[:, 0].tolist()
 
 
 def checked_tokens(tokens) -> Tensor:

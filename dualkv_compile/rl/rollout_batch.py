@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..arguments import integer_arg
+from ..layout.batch_checks import rows_with_gaps
 from ..rollout import RolloutEngine, SamplingParams, plan_calls
 from ..rollout.engine import check_cache_dtype
 from ..rollout.prompts import check_prompt_ids, valid_prompt_tokens
@@ -64,9 +65,7 @@ def rollout_batch(engine: RolloutEngine, prompts: Tensor, *, group_size: int, pa
     given = prompt_mask is not None
     prompt_mask = valid_prompt_tokens(prompts, prompt_mask, pad_id)  # the caller's rows named
     if given:  # the batch's padding mask holds it: the update takes no hole inside a prompt
-        before, after = (prompt_mask.cummax(1).values,
-                         prompt_mask.flip(1).cummax(1).values.flip(1))
-        holes = (~prompt_mask & before & after).any(1).nonzero()[:, 0].tolist()
+        holes = rows_with_gaps(prompt_mask)
         if holes:
             raise ValueError(f"prompt_mask rows {holes[:8]} have a False between True entries; "
                              "the policy update takes each prompt as one run of tokens: pass "

@@ -6,11 +6,10 @@ keyword-only arguments are token-local and kept, exact in float64."""
 
 import pytest
 import torch
-from test_locality_soundness import _mixed_model
+from test_locality_soundness import _mixed_model, assert_exact
 
 import dualkv_compile as dk
 from dualkv_compile.passes._common import Refusal
-from dualkv_compile.testing import row_by_row_response_logprobs
 
 _OFFSET = torch.tensor(3.0, dtype=torch.float64)
 _TABLE = torch.randn(512, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -89,15 +88,4 @@ def _keyword_only_norm(x):  # refused: token data through an argument with no ru
 @pytest.mark.parametrize("mix", [_cast_like_a_weight, _whole_sequence_slice, _keyword_only_norm],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_token_local_forms_once_refused_are_kept_exact(mix):
-    model, tokens, mask, p = _mixed_model(mix)
-    weights = torch.randn(tokens.shape[0], tokens.shape[1] - p, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(1))
-    ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
-    (ours * weights).sum().backward()
-    got = [q.grad.clone() for q in model.parameters()]
-    model.zero_grad()
-    theirs = row_by_row_response_logprobs(model, tokens, mask, p)
-    (theirs * weights).sum().backward()
-    assert (ours - theirs).abs().max() < 1e-10
-    for a, q in zip(got, model.parameters()):
-        assert (a - q.grad).abs().max() < 1e-10
+    assert_exact(mix)
