@@ -263,9 +263,11 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             peaks.update(rollout_peak_memory_gib=rollout_peak, update_peak_memory_gib=update_peak)
         # reward: over the groups trained on; sampled_reward: over every response sampled
         # (they differ only with dynamic sampling, which drops groups whose rewards are equal)
+        # kl only with a KL term: without a reference model it is not measured (TRL's way)
+        kl = {} if self.reference is None else {"kl": kl_sum}
         return {"reward": reward_sum / (n_groups * cfg.group_size),
                 "sampled_reward": sampled_sum / max(n_sampled, 1), "loss": loss_sum,
-                "kl": kl_sum, "clip_fraction": clip_sum, "grad_norm": grad_norm,
+                **kl, "clip_fraction": clip_sum, "grad_norm": grad_norm,
                 "updates": float(len(taken)),
                 "response_logprob": logprob_sum / max(total_tokens, 1.0),
                 "response_length": length_sum / (n_groups * cfg.group_size),
@@ -306,7 +308,7 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             self.history.append({"step": self.step, **metrics})
             if self.metric_logger is not None:
                 self.metric_logger = log_step(self.metric_logger, metrics, self.step)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
+            bar.set_postfix({k: f"{metrics[k]:.4g}" for k in ("reward", "kl") if k in metrics})
             if self.cfg.save_every and self.step % self.cfg.save_every == 0:
                 self.save_checkpoint()
             if self.world_size > 1:  # every rank stops after the same step
