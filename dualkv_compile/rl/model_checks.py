@@ -22,6 +22,12 @@ def refused_as_config(section: str, build: Callable):
         raise ConfigError([f"{section}: {e}"]) from None
 
 
+# compiles of the packed model per packed length: the forward without gradients (old and
+# reference logprobs) and with them (the update); the reference shares the policy's
+# (optimize(..., share_compiles_with=)), tests/test_share_compiles.py counts them
+COMPILES_PER_LENGTH = 2
+
+
 def check_model_fit(cfg, tokenizer, task, decoder, dualkv=None) -> None:
     """decoder: the rollout engine's view of the model (vocab_size, max_seq_len); dualkv: the
     wrappers' DualKVConfig, whose length buckets must stay within their recompile limit."""
@@ -52,9 +58,8 @@ def _bucket_problems(cfg, tokenizer, task, dualkv) -> list[str]:
     from dualkv_compile.layout.buckets import bucket_count
 
     # Dynamo's cap on the compiled variants of one function (the packed model's), past which
-    # it refuses to compile again; each length compiles up to three of them: the policy's
-    # forward without and with gradients, and the reference's
-    limit, per_length = torch._dynamo.config.accumulated_recompile_limit, 3
+    # it refuses to compile again
+    limit, per_length = torch._dynamo.config.accumulated_recompile_limit, COMPILES_PER_LENGTH
 
     gen, n = cfg.max_generated_tokens, int(cfg.group_size)
     p_hi = getattr(task, "max_prompt_len", 1)

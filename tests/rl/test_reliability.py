@@ -240,7 +240,7 @@ def test_tune_run_prints_no_torchao_line_before_our_code_runs():
     # more packed lengths than the wrapper's recompile limit: once the run's fatal error
     ("max_tokens_per_micro_batch=100000", "error: dualkv.bucket_growth=1.0: micro-batches of "
                                           "2-100000 packed tokens (max_tokens_per_micro_batch="
-                                          "100000) can take 782 packed lengths, each up to 3 "
+                                          "100000) can take 782 packed lengths, each up to 2 "
                                           "compiles of the model, over the 256 Dynamo allows"),
     # these were tracebacks (ValueError: Overflow when unpacking long long; IndexError)
     ("seed=99999999999999999999", "error: seed (command-line override "
