@@ -262,6 +262,18 @@ class _HFDecoder(_Modules):
     _ATTENTION = "self_attn"
     _LIBRARY = _ATTENTION_LIBRARY = "transformers"
 
+    def check_nothing_skipped(self) -> None:
+        super().check_nothing_skipped()
+        rotary = self.base.rotary_emb
+        if self.fixed_rope is None:  # called as a module: its hooks run
+            return
+        # _fixed_rope calls the undecorated function, skipping the module's hooks and forward
+        hooks = foreign_hooks(rotary)
+        if hooks or "forward" in vars(rotary):
+            what = f"hooks ({hook_names(hooks)})" if hooks else "its forward replaced on the instance"
+            raise _refuse(self.model, f"its dynamic RoPE's rotary_emb has {what}, which the "
+                                      f"engine, running the undecorated rotary forward, would skip")
+
     def check_compiles(self) -> None:
         cfg = self.model.config
         dispatch = getattr(cfg, "_experts_implementation", None)

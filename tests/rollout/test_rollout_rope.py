@@ -125,3 +125,19 @@ def test_a_no_grad_over_the_dynamic_decorator_is_looked_through():
     with torch.no_grad(), _CountHostReads() as count:
         ws.step_fn(*ws.cache.decode_tensors())
     assert count.reads == 0
+
+
+@pytest.mark.parametrize("change", ["hook", "forward"])
+def test_a_hook_on_the_dynamic_rotary_is_refused_not_skipped(change):
+    # the engine calls the undecorated rotary forward: a hook or instance forward on rotary_emb
+    # (added after the engine was built) would be skipped, sampling another model
+    model = dynamic_model("hf_llama")
+    engine = RolloutEngine(model)
+    rotary = model.model.rotary_emb
+    if change == "hook":
+        rotary.register_forward_hook(lambda mod, args, out: (out[0] * 0.5, out[1] * 0.5))
+    else:
+        rotary.forward = lambda x, positions: type(rotary).forward(rotary, x, positions)
+    with pytest.raises(ValueError, match="dynamic RoPE's rotary_emb has (hooks|its forward)"):
+        engine.generate(ragged_prompts(), group_size=2, max_generated_tokens=3, pad_id=PAD,
+                        rng=torch.Generator().manual_seed(0))
