@@ -218,13 +218,14 @@ def _checked(losses, logprobs: Tensor) -> Tensor:
     return losses
 
 
-def _token_loss_grad(token_loss, logprobs: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-    """(the chunk's per-token losses, detached; d sum / d logprobs), both [c]."""
+def _token_loss_grad(token_loss, logprobs: Tensor, index: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(the chunk's per-token losses, detached; d sum / d logprobs [c], or None where the
+    losses do not depend on the logprobs: a chunk whose tokens all count 0, say)."""
     with torch.enable_grad():
         x = logprobs.detach().requires_grad_()
         losses = _checked(token_loss(x, index), x)
         if not losses.requires_grad:
-            raise ValueError("token_loss's result does not depend on the logprobs it was given")
+            return losses.detach(), None
         if _reaches_another_leaf(losses, x):
             raise ValueError("token_loss uses a tensor that requires grad besides the logprobs "
                              "(a learnable coefficient?): the fused LM head passes gradients "
@@ -260,6 +261,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         t = torch.full((), temperature, dtype=wide, device=hidden.device)
         # both gradients stay in the wide dtype until the backward knows their scale
         grad_h, grad_w = _grad_buffers(ctx, hidden, weight, wide, wide)
+        depends = False
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
             logits = h @ weight.T
@@ -267,9 +269,15 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             logprobs[s:s + chunk] = lp
             losses, grad_lp = _token_loss_grad(token_loss, lp, index[s:s + chunk])
             loss += losses.sum()
+            depends |= grad_lp is not None
+            if grad_lp is None:  # a constant for this chunk: its gradient is 0
+                grad_lp = torch.zeros_like(lp)
             g = grad_fn(logits, lse, targets[s:s + chunk], grad_lp.to(wide).contiguous(), t)
             del logits
             _add_chunk_grads(grad_h, grad_w, g, h, weight, s)
+        if not depends and hidden.shape[0]:  # judged over the call, whatever the chunking
+            raise ValueError("token_loss's result does not depend on the logprobs it was given "
+                             "(in any chunk): a detached loss would train nothing")
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = hidden.dtype, weight.dtype
         ctx.mark_non_differentiable(logprobs)

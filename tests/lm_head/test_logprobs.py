@@ -191,8 +191,9 @@ def test_token_loss_bad_arguments():
         chunked_token_loss(h, w, t, lambda lp, i: lp.sum())
     with torch.no_grad(), pytest.raises(ValueError, match="one loss per token"):
         chunked_token_loss(h, w, t, lambda lp, i: lp[:1])
-    with pytest.raises(ValueError, match="does not depend on the logprobs"):
-        chunked_token_loss(h, w, t, lambda lp, i: torch.zeros_like(lp))
+    for chunk in (1, 4):  # judged over the call, not per chunk
+        with pytest.raises(ValueError, match="does not depend on the logprobs"):
+            chunked_token_loss(h, w, t, lambda lp, i: torch.zeros_like(lp), chunk_size=chunk)
     coef = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)  # its gradient: lost
     with pytest.raises(ValueError, match="uses a tensor that requires grad besides the logprobs"):
         chunked_token_loss(h, w, t, lambda lp, i: -coef.exp() * lp)
@@ -273,3 +274,26 @@ def test_gradient_buffers_are_written_before_they_are_read(monkeypatch, rows):
         dh, dw = torch.autograd.grad(run(), (h, w), allow_unused=True)
         assert torch.isfinite(dw).all() and rel_err(dw, rw) < 1e-13
         assert dh.shape == h.shape and (rows == 0 or rel_err(dh, rh) < 1e-13)
+
+
+def test_a_chunk_whose_loss_is_constant_gets_zero_gradient_whatever_the_chunking():
+    # a token loss that returns a constant where nothing counts (an early return when every
+    # token of its chunk is filtered out): refused per chunk before, so the step failed or not
+    # by chunk size and data
+    h = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([0, 5, 1, 3, 6, 2])
+    keep = torch.tensor([False, False, True, True, False, True])
+
+    def token_loss(lp, i):
+        if not keep[i].any():
+            return torch.zeros_like(lp)
+        return torch.where(keep[i], -lp, torch.zeros_like(lp))
+
+    want = token_loss(chunked_logprobs(h, w, t), torch.arange(6)).sum()
+    grads = torch.autograd.grad(want, (h, w))
+    for chunk in (1, 2, 3, 6):
+        loss = chunked_token_loss(h, w, t, token_loss, chunk_size=chunk)[0]
+        got = torch.autograd.grad(loss, (h, w))
+        assert rel_err(loss, want) < 1e-13, chunk
+        assert all(rel_err(a, b) < 1e-13 for a, b in zip(got, grads)), chunk
