@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import adapter_for
+from .arguments import temperature_arg
 from .backend import DualKVBackend
 from .attention.registry import attention_kernel
 from .config import DualKVConfig
@@ -276,6 +277,8 @@ class DualKVModel(nn.Module):
         float64 for a float64 model. The LM head runs only at the positions that predict
         response tokens, in chunks of config.logprob_chunk_size. Without response columns
         (prompt_len == L) the model does not run: [B, 0] without gradient."""
+        temperature = temperature_arg(temperature)  # before the model runs
+
         def head(states, weight, targets, dst):
             lp = chunked_logprobs(states, weight, targets, temperature=temperature,
                                   chunk_size=self.config.logprob_chunk_size)
@@ -298,6 +301,11 @@ class DualKVModel(nn.Module):
         padding, as response_logprobs returns them). Without response columns the loss is a
         0 with no gradient. A token_loss with `response_shape` (GRPOLoss.token_loss's) must
         have been built for [B, L - prompt_len] of these tokens."""
+        temperature = temperature_arg(temperature)  # before the model runs
+        if not callable(token_loss):
+            raise TypeError(f"token_loss must be a function (logprobs [M], index [M]) -> [M], "
+                            f"got {type(token_loss).__name__}")
+
         def head(states, weight, targets, dst):
             loss, lp = chunked_token_loss(states, weight, targets, token_loss, index=dst,
                                           temperature=temperature,

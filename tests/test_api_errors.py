@@ -71,6 +71,26 @@ def test_temperature_follows_the_rollout_rule(setup, temperature, match):
         dk.rollout.SamplingParams(temperature=temperature)
 
 
+def test_temperature_and_token_loss_are_checked_before_the_model_runs(setup):
+    # they were checked in the LM head only: after a compile and a forward, and never without
+    # response columns (prompt_len == L took temperature=-1 and token_loss=None)
+    _, tokens, mask, p = setup
+    wrapper = dk.optimize(same_dtype_numerics(tiny_model("qwen2_5")).double())  # nothing compiled
+    full = tokens.shape[1]
+    dk.counters.clear()
+    for prompt_len in (p, full):
+        with pytest.raises(ValueError, match="temperature=-1.0"):
+            wrapper.response_logprobs(tokens, prompt_len=prompt_len, padding_mask=mask,
+                                      temperature=-1.0)
+        with pytest.raises(ValueError, match="temperature=nan"):
+            wrapper.response_loss(tokens, prompt_len=prompt_len, padding_mask=mask,
+                                  temperature=float("nan"), token_loss=lambda lp, i: -lp)
+        with pytest.raises(TypeError, match="token_loss must be a function .* got NoneType"):
+            wrapper.response_loss(tokens, prompt_len=prompt_len, padding_mask=mask,
+                                  token_loss=None)
+    assert dk.counters["graphs_compiled"] == 0
+
+
 def test_chunked_logprobs_refuses_a_bad_chunk_or_target_count():
     from dualkv_compile.lm_head.logprobs import chunked_logprobs
 
