@@ -16,8 +16,9 @@ __all__ = ["CHECKPOINT_KEYS", "NOT_SET", "RESUME_FIXED", "SEEDS", "apply_config_
 
 CHECKPOINT_KEYS = ("model", "ref_model", "optimizer", "step", "task", "rngs")
 # config keys (and sections) a resumed run must share with its checkpoint: the saved weights and
-# optimizer state only fit these
-RESUME_FIXED = ("model", "tokenizer", "optimizer._component_")
+# optimizer state only fit these (a changed dtype would cast them, and the next save would
+# replace the fp32 weights and moments with bf16 ones)
+RESUME_FIXED = ("model", "tokenizer", "optimizer._component_", "dtype")
 # keys that say how this run starts, expected to differ from the checkpoint's run: not listed
 _RUN_CONTROL = ("resume_from_checkpoint", "overwrite_output_dir")
 # seeds: a resumed run restores the generators they seeded, so changing them does nothing

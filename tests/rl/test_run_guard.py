@@ -150,6 +150,10 @@ def test_a_resume_tells_changes_from_the_same_setting_written_otherwise():
     # what its run used (a weight_decay of 0 kept by a resume that left the key out)
     assert config_changes(saved, {"model": tiny, "optimizer": adamw | {"weight_decay": 0.01}}) \
         == {"optimizer.weight_decay": (NOT_SET, 0.01)}
+    # a changed dtype cast the saved fp32 weights and AdamW moments to bf16 for good
+    with pytest.raises(ConfigError, match=r"dtype: 'fp32' when ck.pt was written, 'bf16' now"):
+        check_resume_config("ck.pt", config_changes(saved | {"dtype": "fp32"},
+                                                    same | {"dtype": "bf16"}))
     # the default of another component is no default of this one
     other = {"model": tiny | {"_component_": "dualkv_compile.models.qwen3.qwen3",
                               "num_heads": 4}, "optimizer": adamw}
