@@ -263,11 +263,13 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             peaks.update(rollout_peak_memory_gib=rollout_peak, update_peak_memory_gib=update_peak)
         # reward: over the groups trained on; sampled_reward: over every response sampled
         # (they differ only with dynamic sampling, which drops groups whose rewards are equal)
-        # kl only with a KL term: without a reference model it is not measured (TRL's way)
-        kl = {} if self.reference is None else {"kl": kl_sum}
+        # the update's means, over the updates taken: none, none logged (a 0 would read as a
+        # vanished gradient); kl only with a KL term, which a reference model measures (TRL's)
+        update = {} if not taken else {
+            "loss": loss_sum, **({} if self.reference is None else {"kl": kl_sum}),
+            "clip_fraction": clip_sum, "grad_norm": grad_norm}
         return {"reward": reward_sum / (n_groups * cfg.group_size),
-                "sampled_reward": sampled_sum / max(n_sampled, 1), "loss": loss_sum,
-                **kl, "clip_fraction": clip_sum, "grad_norm": grad_norm,
+                "sampled_reward": sampled_sum / max(n_sampled, 1), **update,
                 "updates": float(len(taken)),
                 "response_logprob": logprob_sum / max(total_tokens, 1.0),
                 "response_length": length_sum / (n_groups * cfg.group_size),

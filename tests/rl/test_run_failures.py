@@ -152,6 +152,30 @@ def test_a_skipped_update_does_not_count_as_one_that_changed_the_weights(tmp_pat
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 1
 
 
+def test_a_step_without_an_update_logs_no_update_means(tmp_path):
+    # its loss, kl, clip_fraction and grad_norm were logged as 0, a vanished gradient
+    module = load_recipe()
+    real, calls = module.optimizer_step, []
+
+    def second_skipped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # as optimizer_step skips a step that counts no token
+            return StepStats(0.0, 0.0, 0.0, 0.0, stepped=False)
+        return real(*args, **kwargs)
+
+    module.optimizer_step = second_skipped
+    recipe = module.GRPORecipe(OmegaConf.merge(OmegaConf.load(CONFIG), {
+        "output_dir": str(tmp_path / "run"), "num_steps": 3, "save_every": 0}))
+    recipe.setup()
+    recipe.train()
+    recipe.cleanup()
+    means = ("loss", "kl", "clip_fraction", "grad_norm")
+    took, skipped, after = recipe.history
+    assert skipped["updates"] == 0 and not any(k in skipped for k in means)
+    assert took["updates"] == after["updates"] == 1 and all(k in after for k in means)
+    assert after["grad_norm"] > 0 and "reward" in skipped
+
+
 def test_a_step_without_a_group_to_train_on_saves_the_step_before(tmp_path):
     # dynamic sampling's refusal was a traceback that lost every step since the last save
     recipe = recipe_for(tmp_path, "run", num_steps=3, save_every=0, dynamic_sampling=True)
