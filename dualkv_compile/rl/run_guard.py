@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from datetime import datetime
@@ -61,8 +62,13 @@ def check_writable_dir(key: str, path: Path) -> None:
     if not existing.is_dir():
         where = "is a file" if existing == path else f"lies under the file {existing}"
         raise ConfigError([f"{key}={str(path)!r} {where}; name a folder"])
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError([f"{key}={str(path)!r} cannot be written ({existing} is not writable)"])
+    try:  # a file made and removed: os.access says yes to root, also on /proc or a read-only mount
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".dualkv_write_probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError([f"{key}={str(path)!r} cannot be written ({existing}: "
+                           f"{e.strerror or e})"]) from None
 
 
 class RunFailed(RuntimeError):
@@ -214,14 +220,16 @@ def replace_earlier_run(checkpoint: Path, *, weight_dirs: list[Path],
     run's checkpoint, the epoch_* folders of `weight_dirs` and the metric logger's `log_dir`
     where it lies in output_dir aside (set_aside; a new run's TensorBoard would otherwise show
     the old run's steps beside its own) and say where."""
-    run_dir = checkpoint.parent.resolve()  # (a log_dir that is output_dir itself stays)
-    inside = log_dir and Path(log_dir).resolve() != run_dir and \
-        Path(log_dir).resolve().is_relative_to(run_dir)
-    earlier = [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*"))),
-               *([Path(log_dir)] if inside else [])]
+    run_dir, logs = checkpoint.parent.resolve(), []
+    if log_dir and Path(log_dir).resolve() == run_dir:  # its runs' folders, not output_dir
+        logs = sorted(p for p in Path(log_dir).glob("run_*") if p.is_dir())
+    elif log_dir and Path(log_dir).resolve().is_relative_to(run_dir):
+        logs = [Path(log_dir)]
+    earlier = [p for p in [checkpoint, *(p for d in weight_dirs for p in sorted(d.glob("epoch_*"))),
+                           *logs] if p.exists()]
     made = set_aside(earlier)
     if made:
-        print(f"overwrite_output_dir=true: the earlier run's checkpoint, weights and logs "
+        print(f"overwrite_output_dir=true: the earlier run's {', '.join(p.name for p in earlier)} "
               f"were moved to {', '.join(map(str, made))}", flush=True)
 
 

@@ -65,19 +65,40 @@ def test_overwrite_moves_the_earlier_run_aside(tmp_path):
     assert len(old_events) == len(new_events) == 1
 
 
-def test_an_overwrite_refused_in_its_setup_leaves_the_earlier_run_in_place(tmp_path):
+@pytest.mark.parametrize("key, value, refusal", [
+    ("loss.aggregation", "nope", r"loss: .*aggregation='nope'"),
+    # os.access says yes to root there: the logger's mkdir failed after the move, a traceback
+    ("metric_logger.log_dir", "/proc/dualkv_logs",
+     r"metric_logger.log_dir='/proc/dualkv_logs' cannot be written \(/proc: "),
+])
+def test_an_overwrite_refused_in_its_setup_leaves_the_earlier_run_in_place(tmp_path, key, value,
+                                                                           refusal):
     # the earlier run was moved aside before the task, model and loss were checked: a refused
     # run left nothing to resume
     run(tmp_path, "run", num_steps=1)
     before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
     cfg = OmegaConf.load(CONFIG)
-    for key, value in {"output_dir": str(tmp_path / "run"), "overwrite_output_dir": True,
-                       "loss.aggregation": "nope"}.items():
-        OmegaConf.update(cfg, key, value)
-    with pytest.raises(ConfigError, match=r"loss: .*aggregation='nope'"):
+    for k, v in {"output_dir": str(tmp_path / "run"), "overwrite_output_dir": True,
+                 key: value}.items():
+        OmegaConf.update(cfg, k, v)
+    with pytest.raises(ConfigError, match=refusal):
         load_recipe().GRPORecipe(cfg).setup()
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
     assert not list((tmp_path / "run").glob("replaced_*"))
+
+
+def test_overwrite_moves_the_earlier_logs_when_log_dir_is_output_dir(tmp_path, capsys):
+    # log_dir == output_dir: nothing of the logs was moved, yet the message said so, and
+    # TensorBoard showed the old run's curves beside the new one's
+    out = str(tmp_path / "run")
+    run(tmp_path, "run", num_steps=1, **{"metric_logger.log_dir": out})
+    (old,) = (tmp_path / "run").glob("run_*")
+    run(tmp_path, "run", num_steps=1, overwrite_output_dir=True, **{"metric_logger.log_dir": out})
+    (aside,) = (tmp_path / "run").glob("replaced_*")
+    assert (aside / old.name).is_dir() and (aside / "checkpoint.pt").is_file()
+    assert [p.name for p in (tmp_path / "run").glob("run_*")] != [old.name]
+    assert f"the earlier run's checkpoint.pt, {old.name} were moved to {aside}" \
+        in capsys.readouterr().out
 
 
 def test_a_second_run_on_a_live_runs_output_dir_is_refused(tmp_path):
