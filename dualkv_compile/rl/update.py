@@ -81,9 +81,13 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
         if x is None or not x > 0:  # inf: no clipping
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a number > 0 (math.inf "
                              f"for no clipping): a negative one reverses the update, 0 zeroes it")
+        if not isinstance(counted, bool):
+            raise ValueError(f"counted={counted!r} must be True or False (it scales the "
+                             f"normalisers: 2 halved the update)")
         mask = as_padding_mask(mask)
         resp_mask = mask[:, p:] if loss_mask is None else _checked_loss_mask(loss_mask,
                                                                               mask[:, p:])
+        _check_finite(resp_mask, old=old, ref=ref, advantages=advantages)
         # rows are group-major by construction (rl.rollout_batch), so tokens are not passed
         # for the check, a host sync a step
         batches = micro_batch_rows(mask, prompt_len=p, group_size=group_size,
@@ -228,6 +232,25 @@ def _check_rows(tokens: Tensor, prompt_len, **per_row: Tensor) -> int:
             raise ValueError(f"{name} must be {list(want[name])} for tokens {[b, length]} with "
                              f"prompt_len={prompt_len}, got {got}")
     return prompt_len
+
+
+def _check_finite(resp_mask: Tensor, **values: Tensor | None) -> None:
+    """old/ref [B, R] at the tokens the loss counts and advantages [B] of rows with one are
+    finite: a NaN old logprob with a positive advantage is masked out of the gradient by the
+    clipping (loss NaN, step taken); elsewhere NaN reached the gradient norm, blamed on the
+    learning rate. One host sync."""
+    bad = {}
+    for name, x in values.items():
+        if x is None:
+            continue
+        counts = resp_mask if x.dim() == 2 else resp_mask.any(1)
+        bad[name] = ~torch.isfinite(x) & counts.to(x.device)
+    flags = torch.stack([b.any() for b in bad.values()]).tolist()
+    for (name, b), found in zip(bad.items(), flags):
+        if found:
+            where = b.nonzero()[0].tolist()
+            raise ValueError(f"{name} is not finite at {'row, token' if b.dim() == 2 else 'row'} "
+                             f"{', '.join(map(str, where))}, which the loss counts")
 
 
 def _checked_loss_mask(loss_mask: Tensor, response_mask: Tensor) -> Tensor:

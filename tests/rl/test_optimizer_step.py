@@ -161,6 +161,43 @@ def test_per_row_inputs_are_checked_before_any_micro_batch_runs():
                        adv, **kw)
 
 
+def test_non_finite_inputs_the_loss_counts_and_a_non_bool_counted_are_refused():
+    # a NaN old logprob with a positive advantage was masked out of the gradient by the
+    # clipping: loss NaN, the step taken; NaN advantages or ref reached the gradient norm,
+    # blamed on the learning rate; counted=2 halved the update
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("token")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    kw = dict(group_size=2, temperature=T, max_grad_norm=1e9)
+    resp = mask[:, p:]
+    row, tok = [int(i) for i in resp.nonzero()[0]]
+    pad_row, pad_tok = [int(i) for i in (~resp).nonzero()[0]]
+    nan_old, nan_ref, nan_adv = old.clone(), ref.clone(), adv.clone()
+    nan_old[row, tok] = float("nan")
+    nan_ref[row, tok] = -float("inf")
+    nan_adv[row] = float("nan")
+    adv_pos = adv.abs()
+    cases = [((nan_old, ref, adv_pos), {}, rf"old is not finite at row, token {row}, {tok},"),
+             ((old, nan_ref, adv), {}, rf"ref is not finite at row, token {row}, {tok},"),
+             ((old, ref, nan_adv), {}, rf"advantages is not finite at row {row},"),
+             ((old, ref, adv), {"counted": 2}, r"counted=2 must be True or False")]
+    for (o, r, a), extra, match in cases:
+        with pytest.raises(ValueError, match=match):
+            optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, o, r, a,
+                           **kw, **extra)
+        assert all(q.grad is None for q in model.parameters())
+    # outside the counted tokens anything goes (padding; a filtered response)
+    pad_old = old.clone()
+    pad_old[pad_row, pad_tok] = float("nan")
+    filtered = resp.clone()
+    filtered[row] = False
+    stats = optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, nan_old, ref,
+                           adv, loss_mask=filtered, **kw)
+    assert stats.stepped and stats.loss == stats.loss
+    stats = optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, pad_old, ref,
+                           adv, **kw)
+    assert stats.stepped and stats.loss == stats.loss
+
+
 def test_max_grad_norm_and_empty_or_integer_masks():
     # max_grad_norm=-1 reversed the update exactly (clip_grad_norm_'s coefficient went
     # negative), 0 zeroed it while AdamW still stepped; a rank's empty rows were refused as
