@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import os
 from typing import Callable
 
 from .component_types import import_component, parameter_kinds
-from .recipe_schema import GRPO_SCHEMA, NULLABLE_SECTIONS, SUPPLIED_BY_RECIPE, Key, not_nan
+from .recipe_schema import (GRPO_SCHEMA, NULLABLE_SECTIONS, SUPPLIED_BY_RECIPE, Key, not_nan,
+                            world_size)
 
 __all__ = ["ConfigError", "GRPO_SCHEMA", "check_recipe_config", "instantiate_checked",
            "parse_checked", "split_problem"]
@@ -173,7 +173,7 @@ class _Checker:
                                          "(transformers would load another model); edit a copy "
                                          "of config.json and point checkpoint_dir at it instead")
         groups, micro = config.get("groups_per_step"), config.get("micro_batch_groups")
-        ranks = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun (tune run --nproc...)
+        ranks = world_size()  # set by torchrun (tune run --nproc...)
         if isinstance(groups, int) and isinstance(micro, int) and groups > 0 and micro > 0:
             updates = config.get("updates_per_step", 1)
             problem = split_problem(groups, ranks, micro,

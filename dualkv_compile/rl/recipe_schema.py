@@ -57,11 +57,30 @@ def _group_size(v):
 def _device(v):
     import torch
 
-    if str(v).startswith("cuda") and not torch.cuda.is_available():
+    kind, _, index = str(v).partition(":")
+    if not (str(v) in ("cpu", "cuda") or (kind == "cuda" and index.isdigit())):
+        return "must be 'cpu', 'cuda' or 'cuda:N' (N a device index)"
+    if kind == "cuda" and not torch.cuda.is_available():
         return "needs CUDA, but torch.cuda.is_available() is False on this machine; use device=cpu"
-    if not (str(v) in ("cpu", "cuda") or str(v).startswith("cuda:")):
-        return "must be 'cpu', 'cuda' or 'cuda:N'"
+    if index and int(index) >= torch.cuda.device_count():
+        return f"names a device past this machine's {torch.cuda.device_count()} CUDA device(s)"
+    if index and world_size() > 1:
+        return (f"names one device, but {world_size()} processes run (WORLD_SIZE): name only "
+                f"the type, 'cuda'; each rank takes cuda:LOCAL_RANK")
     return None
+
+
+def world_size() -> int:
+    """The processes torchrun launched (WORLD_SIZE; 1 without it)."""
+    import os
+
+    from .recipe_config import ConfigError
+
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError([f"WORLD_SIZE={value!r} (the environment) must be an integer >= 1, "
+                           f"as torchrun sets it"])
+    return int(value)
 
 
 COMPONENT = Key("section")

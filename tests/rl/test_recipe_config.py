@@ -103,3 +103,24 @@ def test_a_constant_aggregation_width_below_the_generation_cap_is_refused(monkey
                     "max_generated_tokens=9") == []
     assert _checked("tiny_grpo.yaml", "loss.max_response_len=8",  # not read by "sequence"
                     "max_generated_tokens=9") == []
+
+
+def test_malformed_device_strings_and_world_size_are_named(monkeypatch):
+    # 'cuda:abc' passed the check and failed later in torch.device, a traceback; a WORLD_SIZE
+    # that is not a number crashed the check itself
+    import torch
+
+    from dualkv_compile.rl.recipe_schema import GRPO_SCHEMA
+
+    check = GRPO_SCHEMA["device"].check
+    for device in ("cuda:abc", "cuda:", "cuda:0:1", "cuda:-1", "gpu"):
+        assert "must be 'cpu', 'cuda' or 'cuda:N'" in check(device), device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the check alone)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check("cuda:1") is None and check("cuda") is None
+    assert "past this machine's 2 CUDA device(s)" in check("cuda:2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "name only the type, 'cuda'" in check("cuda:1")
+    monkeypatch.setenv("WORLD_SIZE", "x")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE='x' \(the environment\) must be an "):
+        _checked("tiny_grpo.yaml", "device=cpu")
