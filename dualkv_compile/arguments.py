@@ -9,7 +9,8 @@ import operator
 
 import torch
 
-__all__ = ["MIN_TEMPERATURE", "as_index", "as_real", "integer_arg", "real_arg", "temperature_arg"]
+__all__ = ["MIN_TEMPERATURE", "as_index", "as_real", "flag_arg", "integer_arg", "real_arg",
+           "temperature_arg"]
 
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon; far smaller ones overflow logits / T
 
@@ -35,6 +36,14 @@ def integer_arg(name: str, value, low: int | None = None, high: int | None = Non
                  f" >= {low}" if low is not None else f" < {high}" if high is not None else "")
         raise ValueError(f"{name}={value!r} must be an integer{bound}")
     return i
+
+
+def flag_arg(name: str, value, *, nullable: bool = False) -> bool | None:
+    """value as a bool (None too where `nullable`: the default is chosen later), else a
+    ValueError naming the argument: a string such as "no" is true."""
+    if (value is None and nullable) or isinstance(value, bool):
+        return value
+    raise ValueError(f"{name}={value!r} must be True or False{' (or None)' if nullable else ''}")
 
 
 def as_real(value) -> float | None:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..arguments import integer_arg
+from ..arguments import flag_arg, integer_arg
 from ..recompiles import bounded_recompiles
 from ..stats import counters, log_once
 from . import kernels
@@ -109,9 +109,11 @@ class RolloutEngine:
         self.max_workspaces = integer_arg("max_workspaces", max_workspaces, 1)
         self.model = model
         self.decoder = decoder_for(model)
-        self.attention, self.compile, self.cuda_graphs = attention, compile, cuda_graphs
+        self.attention = attention
+        self.compile = flag_arg("compile", compile, nullable=True)
+        self.cuda_graphs = flag_arg("cuda_graphs", cuda_graphs, nullable=True)
         self.steps_per_graph = steps_per_graph
-        self.share_prompt = share_prompt
+        self.share_prompt = flag_arg("share_prompt", share_prompt)
         # calls, decode_steps, workspaces (caches allocated), compiled_functions, captures,
         # graph_fallbacks, model_reads (the model's modules replaced since the last call)
         self.stats = Counter()
@@ -136,6 +138,7 @@ class RolloutEngine:
         [G, P] bool: True at the prompt's tokens, taken in order (default: prompt_mask_of, i.e.
         leading and trailing pad_id stripped; the tokens under False are not read)."""
         sampling = SamplingParams(temperature, top_k, top_p)
+        return_logprobs = flag_arg("return_logprobs", return_logprobs)
         self._read_model_again_if_changed()
         vocab = self.decoder.vocab_size
         stops = stop_ids(stop_tokens, vocab)

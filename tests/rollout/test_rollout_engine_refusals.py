@@ -3,6 +3,7 @@ cannot run, Triton attention on the CPU, a seed given as rng and empty prompts."
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,11 +28,25 @@ from engine_helpers import EOS, PAD, VOCAB, model_of, ragged_prompts
     (dict(stop_tokens=VOCAB), f"stop_tokens={VOCAB}"),
     (dict(stop_tokens=[EOS, -3]), r"stop_tokens=\[1, -3\]"),
     (dict(stop_tokens=True), "stop_tokens=True"),
+    # a 0-dim float tensor or array: a bare TypeError (iteration over a 0-d tensor)
+    (dict(stop_tokens=torch.tensor(1.0)), r"stop_tokens=tensor\(1.\) is not a token id"),
+    (dict(stop_tokens=np.array(1.5)), r"stop_tokens=array\(1.5\) is not a token id"),
+    # "no" is true: logprobs were returned
+    (dict(return_logprobs="no"), "return_logprobs='no' must be True or False"),
 ])
 def test_bad_arguments_are_named(kw, match):
     args = dict(group_size=2, max_generated_tokens=4, pad_id=PAD) | kw
     with pytest.raises(ValueError, match=match):
         RolloutEngine(model_of("qwen3")).generate(ragged_prompts(), **args)
+
+
+@pytest.mark.parametrize("kw", [dict(compile="no"), dict(cuda_graphs=1), dict(share_prompt="False"),
+                                dict(share_prompt=None)])
+def test_engine_switches_are_bools(kw):
+    # compile="no" compiled; share_prompt="False" shared the prompt (a baseline measured wrong)
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=f"{name}={value!r} must be True or False"):
+        RolloutEngine(model_of("qwen3"), **kw)
 
 
 def test_bad_prompts_are_named():
