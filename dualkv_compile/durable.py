@@ -13,15 +13,15 @@ __all__ = ["sync", "sync_entry", "write_failed"]
 
 
 def sync(path: Path) -> None:
-    """fsync `path` (a file, or every file in a folder and the folder), so that its data is on
-    the disk before it is renamed."""
+    """fsync `path` (a file, or every file and folder in a folder, and the folder), so that its
+    data and entries are on the disk before it is renamed."""
     path = Path(path)
-    files = [p for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [path]
-    for f in files:
+    inside = sorted(path.rglob("*")) if path.is_dir() else []
+    for f in [p for p in inside if p.is_file()] if path.is_dir() else [path]:
         with open(f, "rb") as handle:
             os.fsync(handle.fileno())
-    if path.is_dir():
-        _sync_dir(path)
+    for folder in [p for p in inside if p.is_dir()] + ([path] if path.is_dir() else []):
+        _sync_dir(folder)  # (its entries: the files above, the folders below it)
 
 
 def sync_entry(path: Path) -> None:

@@ -99,6 +99,11 @@ def test_chunked_logprobs_refuses_a_bad_chunk_or_target_count():
         chunked_logprobs(h, w, torch.zeros(5, dtype=torch.long), chunk_size=-1)
     with pytest.raises(ValueError, match=r"targets \(4,\) must be \[M\] with M = 5"):
         chunked_logprobs(h, w, torch.zeros(4, dtype=torch.long))
+    # a float or bool id matched no column: the logprob was -lse, without an error
+    for dtype in (torch.float64, torch.bool):
+        with pytest.raises(ValueError, match=f"targets must be int64 or int32 token ids, got "
+                                             f"{dtype}"):
+            chunked_logprobs(h, w, torch.zeros(5, dtype=dtype))
 
 
 # ---- GRPOLoss.token_loss closures ----------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..arguments import integer_arg
+from ..arguments import as_real, integer_arg
 
 __all__ = ["bucket_count", "bucket_length", "check_bucket_growth"]
 
@@ -45,5 +45,6 @@ def bucket_count(max_tokens: int, pad_to: int = 128, growth: float = 1.0,
 
 def check_bucket_growth(growth) -> None:
     """Raise ValueError unless `growth` is a number in [1, 4]."""
-    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1 <= growth <= 4:
+    x = as_real(growth)  # numpy scalars too, as integer arguments take numpy integers
+    if x is None or not 1 <= x <= 4:
         raise ValueError(f"bucket_growth={growth!r} must be a number in [1, 4]")

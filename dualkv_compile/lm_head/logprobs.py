@@ -159,6 +159,12 @@ def _add_chunk_grads(grad_h, grad_w, g: Tensor, h: Tensor, weight: Tensor, start
         _wide_matmul(grad_w, g.T, h, accumulate=start > 0)
 
 
+def _check_target_dtype(targets: Tensor) -> None:
+    # a float id matches no column of the one-hot: the logprob was -lse, without an error
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
+
+
 def _check_targets(targets: Tensor, vocab: int) -> None:
     # an out-of-range target would silently pick nothing (the one-hot is empty); checked on
     # the device, without a host sync, as gather's bounds check was
@@ -207,6 +213,7 @@ def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
     temperature, chunk_size = temperature_arg(temperature), integer_arg("chunk_size", chunk_size, 1)
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} must be [M] with M = {hidden.shape[0]}")
+    _check_target_dtype(targets)
     return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_size)
 
 
@@ -321,6 +328,7 @@ def chunked_token_loss(hidden: Tensor, weight: Tensor, targets: Tensor, token_lo
     if index.shape != targets.shape or targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets {tuple(targets.shape)} and index {tuple(index.shape)} must "
                          f"both be [M] with M = {hidden.shape[0]}")
+    _check_target_dtype(targets)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if not wants_grad or torch.compiler.is_compiling():
         logprobs = chunked_logprobs(hidden, weight, targets, temperature=temperature,

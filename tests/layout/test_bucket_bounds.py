@@ -1,5 +1,6 @@
 """The documented bounds are inclusive: bucket_growth up to 4, prompt splits of exactly 16 keys."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,8 @@ from dualkv_compile.rollout.cache import prompt_splits
 def test_bucket_growth_four_is_accepted():
     check_bucket_growth(4)
     check_bucket_growth(4.0)
+    check_bucket_growth(np.float32(1.1))  # "must be a number in [1, 4]" before
+    assert bucket_length(1000, 128, np.int64(2)) == bucket_length(1000, 128, 2)
     assert bucket_length(300, 128, 4) == 512
     tokens = torch.ones(1, 6, dtype=torch.long)
     assert pack(tokens, prompt_len=3, bucket_growth=4).seq_len == 128
