@@ -60,6 +60,31 @@ def checked_rewards(rewards, rows: int, source: str = "score()") -> Tensor:
     return rewards
 
 
+def _checked_draw(drawn, need: int) -> tuple[Tensor, list]:
+    """draw(need)'s (prompts [need, P], answers [need]), or a ValueError naming draw() (a
+    mismatch surfaced as score()'s, and fewer answers than prompts were scored misaligned)."""
+    prompts, answers = drawn if isinstance(drawn, tuple) and len(drawn) == 2 else (None, None)
+    if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.shape[0] != need:
+        got = (tuple(prompts.shape) if isinstance(prompts, Tensor) else
+               type(prompts if prompts is not None else drawn).__name__)
+        raise ValueError(f"draw({need}) returned prompts of {got}; it must return (prompts "
+                         f"[{need}, P] tensor, answers [{need}])")
+    if answers is None or not hasattr(answers, "__len__") or len(answers) != need:
+        got = len(answers) if hasattr(answers, "__len__") else type(answers).__name__
+        raise ValueError(f"draw({need}) returned {got} answers for {need} prompts")
+    return prompts, list(answers)
+
+
+def _checked_rollout(out, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """rollout(prompts)'s (tokens, mask, lengths) with `rows` rows, or a ValueError naming it."""
+    parts = out if isinstance(out, tuple) and len(out) == 3 else ()
+    shapes = [tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in parts]
+    if not parts or any(not isinstance(x, Tensor) or x.shape[0] != rows for x in parts):
+        raise ValueError(f"rollout() returned {shapes or type(out).__name__}; it must return "
+                         f"(tokens, mask, lengths) of {rows} rows (need x group_size)")
+    return parts
+
+
 def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
                   rollout: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]],
                   score: Callable[[Tensor, list, Tensor], Tensor], *, groups: int,
@@ -86,11 +111,11 @@ def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
         need = groups - len(kept)
         if ddp.all_max(need)[0] == 0:
             break
-        prompts, answers = draw(need)
+        prompts, answers = _checked_draw(draw(need), need)
         if need == 0:
             rollout(torch.zeros(0, 1, dtype=torch.long))
             continue
-        tokens, mask, lengths = rollout(prompts)
+        tokens, mask, lengths = _checked_rollout(rollout(prompts), need * n)
         width = prompts.shape[1]
         rewards = checked_rewards(score(tokens[:, width:], [a for a in answers for _ in
                                                   range(n)], lengths), need * n)

@@ -117,3 +117,23 @@ def test_no_groups_asked_for_is_named(dynamic):
     with pytest.raises(ValueError, match="groups=0 must be an integer >= 1"):
         scored_groups(lambda need: None, lambda prompts: None, lambda *a: None, groups=0,
                       group_size=2, dynamic_sampling=dynamic, pad_id=0)
+
+
+def test_a_draw_or_rollout_that_breaks_its_contract_is_named():
+    # a prompt too few or a row dropped was reported as score()'s wrong reward count; fewer
+    # answers than prompts were scored misaligned; a list of prompts was a bare AttributeError
+    s = Script([2], [[(1.0, 1.0), (0.0, 1.0)]])
+    short = lambda need: (s.draw(need)[0][:-1], ["a"] * (need - 1))  # noqa: E731
+    few_answers = lambda need: (s.draw(need)[0], ["a"] * (need - 1))  # noqa: E731
+    as_list = lambda need: (s.draw(need)[0].tolist(), ["a"] * need)  # noqa: E731
+    dropped_row = lambda prompts: tuple(x[:-1] for x in s.rollout(prompts))  # noqa: E731
+    cases = [(short, s.rollout, r"draw\(2\) returned prompts of \(1, 2\)"),
+             (few_answers, s.rollout, r"draw\(2\) returned 1 answers for 2 prompts"),
+             (as_list, s.rollout, r"draw\(2\) returned prompts of list"),
+             (s.draw, dropped_row, r"rollout\(\) returned \[\(3, 5\), \(3, 5\), \(3,\)\]; it "
+                                   r"must return \(tokens, mask, lengths\) of 4 rows")]
+    for draw, rollout, match in cases:
+        s.draws.clear()
+        with pytest.raises(ValueError, match=match):
+            scored_groups(draw, rollout, s.score, groups=2, group_size=N, dynamic_sampling=True,
+                          pad_id=PAD)
