@@ -66,11 +66,14 @@ def estimate(d: dict, n: int, p: int, r: int, *, state_bytes: int = 12,
     }
 
 MAX_GPU_GIB = 10**6  # --gpu-memory at most (GiB): more is a typo, and 1e300 overflowed to inf
+MAX_N = 2**20  # -N at most: responses per prompt past it is a typo (1e20 printed 8e16 GiB)
 
 def run_plan(args, out=print) -> int:
     for flag, value in (("-N", args.N), ("-P", args.P), ("-R", args.R)):
         if value < 1:
             raise CliError(f"{flag} {value}: must be at least 1")
+    if args.N > MAX_N:
+        raise CliError(f"-N {args.N}: must be at most {MAX_N:,} responses per prompt")
     gib = args.gpu_memory  # float("nan") and float("inf") parse, but are no amount of memory
     if gib is not None and not 0 < gib <= MAX_GPU_GIB:
         raise CliError(f"--gpu-memory {args.gpu_memory}: must be a number of GiB in "

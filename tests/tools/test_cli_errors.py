@@ -38,6 +38,8 @@ from dualkv_compile.tools.cli import main
     (["bench"], "the following arguments are required: name"),
     (["plan", "--model", "qwen3-8b", "-N", "2", "-P", "3", "-R", "4", "--gpu-memory", "1e300"],
      "--gpu-memory 1e+300: must be a number of GiB in (0, 1,000,000]"),  # inf once in bytes
+    (["plan", "--model", "qwen3-8b", "-N", "100000000000000000000", "-P", "1", "-R", "1"],
+     "-N 100000000000000000000: must be at most 1,048,576 responses per prompt"),  # 8e16 GiB
     (["mask", "--out", "m.jpg"], "--out 'm.jpg': the mask is drawn as a PNG; name a .png file"),
     # these were a traceback, a message from `dualkv` without the subcommand or the typo, and
     # "required: --model" for a misspelt --model
