@@ -36,6 +36,8 @@ class HFTokenizer:
         # (GPT-2's bos = eos, a WordLevel tokenizer without a template)
         self.adds_bos = self.bos_id is not None and (
             self._tok("0", add_special_tokens=True).input_ids[:1] == [self.bos_id])
+        # ids decode(skip_special_tokens) drops: read as UNKNOWN inside a response (decode)
+        self._no_text = frozenset(self._tok.all_special_ids)
         if self.adds_bos and self.bos_id == self.pad_id:
             raise ValueError(f"the tokenizer in {path} adds bos id {self.bos_id}, which is also "
                              f"its pad id: a prompt's bos would be read as left padding")
@@ -53,9 +55,10 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         """The text up to the first stop token, without the padding: the leading and trailing
-        runs of pad_id (the rollout's rule, rollout.prompt_mask_of); a pad_id inside the text
-        is kept. The leading run goes first: the pad id is often a stop id (pad = eos when the
-        tokenizer has no pad token; Qwen3's pad is in its eos list)."""
+        runs of pad_id (the rollout's rule, rollout.prompt_mask_of). The leading run goes first:
+        the pad id is often a stop id (pad = eos when the tokenizer has no pad token; Qwen3's
+        pad is in its eos list). Inside the text, an id without text of its own (a special
+        token: bos, a pad, <|im_start|>; unk; one past the vocabulary) reads as UNKNOWN."""
         ids = [int(i) for i in ids]
         start = 0
         while start < len(ids) and ids[start] == self.pad_id:
@@ -64,13 +67,13 @@ class HFTokenizer:
         ids = ids[:next((at for at, i in enumerate(ids) if i in self.stop_tokens), len(ids))]
         while ids and ids[-1] == self.pad_id:
             ids.pop()
-        # an id the tokenizer has no text for (past its vocabulary in a padded LM head, or its
-        # unk) reads as UNKNOWN: decode drops it, which joined its neighbours ("4", ?, "2" read
-        # as 42) and could score a wrong response as right
+        # an id the tokenizer has no text for (past its vocabulary in a padded LM head, its
+        # unk, a special token) reads as UNKNOWN: decode drops it, which joined its neighbours
+        # ("4", <bos>, "2" read as 42) and could score a wrong response as right
         unk = self._tok.unk_token_id
         text, run = [], []
         for i in ids:
-            if not 0 <= i < len(self._tok) or i == unk:
+            if not 0 <= i < len(self._tok) or i == unk or i in self._no_text:
                 text += [self._tok.decode(run, skip_special_tokens=True), UNKNOWN]
                 run = []
             else:

@@ -43,7 +43,9 @@ def test_ids_the_tokenizer_cannot_decode_read_as_unknown(folder):
     tok = HFTokenizer(str(folder))
     four, two = (tok.encode(c, add_bos=False)[0] for c in "42")
     unk = tok._tok.unk_token_id
-    for odd in (tok.vocab_size, tok.vocab_size + 100, unk):
+    pad = tok._tok.pad_token_id  # not a stop id here: "4 <pad> 2" read as 42 too
+    assert pad not in tok.stop_tokens
+    for odd in (tok.vocab_size, tok.vocab_size + 100, unk, tok.bos_id, pad):
         text = tok.decode([four, odd, two, tok.eos_id])
         assert text == f"4{UNKNOWN}2" and final_number(text) != "42", (odd, text)
     assert tok.decode([four, two, tok.eos_id]) == "42"
