@@ -136,8 +136,13 @@ def full_state_dicts(model: nn.Module, optimizer) -> tuple[dict, dict | None]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
-    optim_state = None if optimizer is None else get_optimizer_state_dict(model, optimizer,
-                                                                          options=options)
+    if optimizer is None:
+        optim_state = None
+    elif not optimizer.state:  # before the first step (every rank alike): get_optimizer_state_dict
+        # would make a state by stepping at lr 0, AdamW's count 1, which a resume continued from
+        optim_state = {"state": {}, "param_groups": []}
+    else:
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
     return model_state, optim_state
 
 
@@ -157,5 +162,5 @@ def load_full_state_dicts(model: nn.Module, optimizer, model_state: dict,
 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
-    if optimizer is not None:
+    if optimizer is not None and optim_state["state"]:  # (none: saved before the first step)
         set_optimizer_state_dict(model, optimizer, optim_state, options=options)
