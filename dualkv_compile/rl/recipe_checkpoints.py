@@ -33,15 +33,27 @@ class RecipeCheckpoints:
 
     def save_checkpoint(self, random_states: tuple | None = None):
         """Full (unsharded) states, written by rank 0; every rank's sampling RNG. random_states:
-        those of the start of a step that failed (default: the current ones)."""
+        those of the start of a step that failed (default: the current ones). A write that
+        fails raises RunFailed on every rank (rank 0 alone left the others in a collective)."""
         rng, torch_rng, task = random_states or self._random_states()
         model, optimizer = ddp.full_state_dicts(self.model, self.optimizer)
         # (no reference model with kl_coef=0: saved as None)
         ref = None if self.ref_model is None else ddp.full_state_dicts(self.ref_model, None)[0]
         rngs = ddp.gather_objects((rng, torch_rng))
         self.saved_step = self.step  # on every rank: they decide alike whether to save again
-        if self.rank != 0:
-            return
+        failed = None
+        if self.rank == 0:
+            try:
+                self._write(model, ref, optimizer, task, rngs)
+            except RunFailed as e:
+                failed = str(e)
+        # every rank waits for rank 0's write and takes its outcome
+        failed = ddp.gather_objects(failed)[0]
+        if failed is not None:
+            raise RunFailed(failed)
+
+    def _write(self, model, ref, optimizer, task, rngs) -> None:
+        """Rank 0: the trained weights (the checkpointer's), then checkpoint.pt."""
         # nothing is written from weights that are not finite (neither file below)
         check_finite_weights(model, self.step, self._checkpoint_path())
         # the trained weights first: a crash (or a full disk) between the two writes leaves the
@@ -86,14 +98,12 @@ class RecipeCheckpoints:
         step's, so they are saved (unless they were), with the random states of the failed
         step's start: a resumed run (with a lower lr, say) starts that step again."""
         if self.updates_taken == 0 and self.saved_step != self.step:
-            try:
+            try:  # (every rank takes rank 0's outcome: the others left at once, claiming a
+                # save that a full disk, or torchrun ending rank 0, then lost)
                 self.save_checkpoint(random_states)
                 failed = None
             except RunFailed as e:  # (the caller's message, the failed step's, comes first)
                 failed = str(e)
-            # rank 0 writes: every rank waits for it and reports its outcome (the others left
-            # at once, claiming a save that a full disk, or torchrun ending rank 0, then lost)
-            failed = ddp.gather_objects(failed)[0]
             if failed is not None:
                 return f"saving the weights of step {self.step} failed too: {failed}"
             return (f"the weights of step {self.step} were saved in {self._checkpoint_path()} "

@@ -206,20 +206,32 @@ if os.environ.get("RANK") == "0":
 '''
 
 
-def test_a_non_finite_gradient_on_two_ranks_ends_with_one_outcome(tmp_path):
-    # rank 1 left at once saying the step before was saved, while rank 0's write failed (or
-    # was still running when torchrun ended it), and each rank named its own share of the loss
+def _full_disk_run(tmp_path, *overrides):
+    """A 2-rank tiny run whose rank 0 cannot write its checkpoint: the `error: step` lines."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_0)  # rank 0's checkpoint write fails
     cmd = [TUNE, "run", "--nproc_per_node", "2", "recipes/grpo_full_finetune.py", "--config",
-           "recipes/configs/tiny_grpo.yaml", f"output_dir={tmp_path / 'run'}", "num_steps=8",
-           "save_every=0", "optimizer.lr=1e3"]
+           "recipes/configs/tiny_grpo.yaml", f"output_dir={tmp_path / 'run'}", *overrides]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{hook}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines()
               if line.startswith("error: step")]
     assert proc.returncode != 0 and len(errors) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return errors
+
+
+def test_a_failed_periodic_save_on_two_ranks_ends_both_alike(tmp_path):
+    # rank 0 named the full disk and exited; rank 1 went on into the next collective and died
+    # with gloo's "Connection closed by peer"
+    errors = _full_disk_run(tmp_path, "num_steps=3", "save_every=1")
+    assert errors[0] == errors[1] and "No space left on device" in errors[0], errors
+
+
+def test_a_non_finite_gradient_on_two_ranks_ends_with_one_outcome(tmp_path):
+    # rank 1 left at once saying the step before was saved, while rank 0's write failed (or
+    # was still running when torchrun ended it), and each rank named its own share of the loss
+    errors = _full_disk_run(tmp_path, "num_steps=8", "save_every=0", "optimizer.lr=1e3")
     assert errors[0] == errors[1], errors  # the same loss, and the same outcome of the save
     assert re.search(r"gradient norm is (nan|inf) .*; saving the weights of step \d failed too: "
                      r".*No space left on device", errors[0]), errors[0]
