@@ -36,8 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import dualkv_compile as dk
-from dualkv_compile.rl import (NoGroupWithSignal, group_advantages, needs_reference,
-                               peak_bf16_tflops, policy_update_flops)
+from dualkv_compile.rl import (BatchRefused, NoGroupWithSignal, group_advantages,
+                               needs_reference, peak_bf16_tflops, policy_update_flops)
 from dualkv_compile.rl import distributed as ddp
 from dualkv_compile.rl.metric_log import close_logger, log_step, open_metric_logger
 from dualkv_compile.rl.model_checks import check_model_fit, refused_as_config
@@ -304,7 +304,7 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
             self.updates_taken = 0  # optimizer steps of this step so far
             try:
                 metrics = self.train_step()
-            except (NonFiniteGradient, NoGroupWithSignal) as e:  # the weights are whole
+            except (NonFiniteGradient, NoGroupWithSignal, BatchRefused) as e:  # weights whole
                 raise RunFailed(f"step {self.step + 1}: {e}; {self._save_before(before)}") from e
             self.step += 1
             self.history.append({"step": self.step, **metrics})

@@ -1,7 +1,7 @@
 """RL post-training pieces for the recipes: losses, advantages, tasks with verifiable rewards.
 Configs reference them by `_component_` path (e.g. dualkv_compile.rl.GRPOLoss)."""
 
-from .dynamic_sampling import NoGroupWithSignal, ScoredGroups, scored_groups
+from .dynamic_sampling import BatchRefused, NoGroupWithSignal, ScoredGroups, scored_groups
 from .flops import forward_flops, peak_bf16_tflops, policy_update_flops
 from .hf_tokenizer import HFTokenizer
 from .losses import (GRPOLoss, group_advantages, groups_with_signal, needs_reference,
@@ -16,6 +16,7 @@ from .update import (NonFiniteGradient, StepStats, micro_batched_logprobs, mini_
                      optimizer_step)
 
 __all__ = [
+    "BatchRefused",
     "CharTokenizer",
     "EvenTokensTask",
     "GRPOLoss",

@@ -16,7 +16,7 @@ from ..adapters import has_dropout, hf_decoder
 
 __all__ = ["init_distributed", "checkpoint_layers", "reference_copy", "shard_decoder", "world",
            "all_sum", "all_max", "full_state_dicts", "load_full_state_dicts", "gather_objects",
-           "weight_shapes"]
+           "raise_on_every_rank", "weight_shapes"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,17 @@ def all_sum(*values: float) -> list[float]:
 def all_max(*values: float) -> list[float]:
     """Each value's maximum over the ranks."""
     return _reduce(values, "max")
+
+
+def raise_on_every_rank(refused: Exception | None, what: str) -> None:
+    """Raise `refused` (this rank's error, or None) where it happened, and on every other rank
+    an error saying another rank refused: a refusal on one rank alone left the others waiting
+    in the next collective. Collective: every rank calls it."""
+    if world()[1] > 1 and all_max(float(refused is not None))[0] and refused is None:
+        raise ValueError(f"{what}: another rank refused its inputs (its error says why); every "
+                         f"rank stops, so that none waits in a collective")
+    if refused is not None:
+        raise refused
 
 
 def gather_objects(obj) -> list:

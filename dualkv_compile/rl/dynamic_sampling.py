@@ -32,6 +32,12 @@ class NoGroupWithSignal(RuntimeError):
     has nothing to train on (raised before any update of the step)."""
 
 
+class BatchRefused(ValueError):
+    """draw(), rollout() or score() broke its contract (non-finite rewards, say) on this rank or
+    another: raised on every rank before the next collective (raised before any update of the
+    step)."""
+
+
 class ScoredGroups(NamedTuple):
     tokens: Tensor  # [G * N, P + T], rows group-major, prompts left-padded to width P
     mask: Tensor  # padding mask of tokens' shape
@@ -58,6 +64,22 @@ def checked_rewards(rewards, rows: int, source: str = "score()") -> Tensor:
                          f"({rewards[bad[:8]].tolist()}); a grader that fails must return a "
                          f"number (e.g. 0), not NaN or inf")
     return rewards
+
+
+def _tried(fn) -> tuple[Exception | None, object]:
+    """(None, fn()) or (the exception fn raised, None)."""
+    try:
+        return None, fn()
+    except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+        return e, None
+
+
+def _agree(refused: Exception | None) -> None:
+    """BatchRefused on every rank if any refused (ddp.raise_on_every_rank)."""
+    try:
+        ddp.raise_on_every_rank(refused, "scored_groups")
+    except Exception as e:  # noqa: BLE001 - one type for the caller, the cause's in its text
+        raise BatchRefused(e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}") from e
 
 
 def _checked_draw(drawn, need: int) -> tuple[Tensor, list]:
@@ -111,14 +133,26 @@ def scored_groups(draw: Callable[[int], tuple[Tensor, Sequence]],
         need = groups - len(kept)
         if ddp.all_max(need)[0] == 0:
             break
-        prompts, answers = _checked_draw(draw(need), need)
+        # a refusal on one rank is raised on every rank, before the next collective
+        refused, drawn = _tried(lambda: _checked_draw(draw(need), need))
+        _agree(refused)
+        prompts, answers = drawn
         if need == 0:
             rollout(torch.zeros(0, 1, dtype=torch.long))
+            _agree(None)  # (the others' check of their scores, below)
             continue
-        tokens, mask, lengths = _checked_rollout(rollout(prompts), need * n)
+        out = rollout(prompts)
         width = prompts.shape[1]
-        rewards = checked_rewards(score(tokens[:, width:], [a for a in answers for _ in
-                                                  range(n)], lengths), need * n)
+
+        def scored():
+            tokens, mask, lengths = _checked_rollout(out, need * n)
+            answer_rows = [a for a in answers for _ in range(n)]
+            rewards = checked_rewards(score(tokens[:, width:], answer_rows, lengths), need * n)
+            return tokens, mask, lengths, rewards
+
+        refused, result = _tried(scored)
+        _agree(refused)
+        tokens, mask, lengths, rewards = result
         sampled.append(rewards)
         per_group = rewards.view(need, n)
         keep = (groups_with_signal(per_group) if dynamic_sampling

@@ -95,13 +95,8 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
         refused = None
     except Exception as e:  # noqa: BLE001 - agreed across ranks below, then raised as it was
         refused = e
-    # a refusal on one rank alone would leave the others waiting in the first collective (the
-    # model's own checks in response_loss run again below, on data these checks passed)
-    if world_size > 1 and ddp.all_max(float(refused is not None))[0] and refused is None:
-        raise ValueError("optimizer_step: another rank refused its inputs (its error says "
-                         "why); every rank stops, so that none waits in a collective")
-    if refused is not None:
-        raise refused
+    # (the model's own checks in response_loss run again below, on data these checks passed)
+    ddp.raise_on_every_rank(refused, "optimizer_step")
     # normalisers over all ranks (uncounted rows excluded); FSDP averages gradients over
     # ranks, so scale back by the world size to get the gradient of the global loss
     total_tokens, total_rows = ddp.all_sum(resp_mask.sum() * int(counted),

@@ -206,11 +206,26 @@ if os.environ.get("RANK") == "0":
 '''
 
 
-def _full_disk_run(tmp_path, *overrides):
-    """A 2-rank tiny run whose rank 0 cannot write its checkpoint: the `error: step` lines."""
+# rank 1's grader returns NaN for one response
+NAN_REWARD_ON_RANK_1 = '''
+import os
+if os.environ.get("RANK") == "1":
+    from dualkv_compile.rl import recipe_rollouts
+    _score = recipe_rollouts.RecipeRollouts._score
+    def _nan(self, responses, answers, lengths):
+        r = _score(self, responses, answers, lengths).clone()
+        r[0] = float("nan")
+        return r
+    recipe_rollouts.RecipeRollouts._score = _nan
+'''
+
+
+def _full_disk_run(tmp_path, *overrides, hook_code=FULL_DISK_ON_RANK_0):
+    """A 2-rank tiny run whose rank 0 cannot write its checkpoint (or with another
+    sitecustomize `hook_code`): the `error: step` lines."""
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(FULL_DISK_ON_RANK_0)  # rank 0's checkpoint write fails
+    (hook / "sitecustomize.py").write_text(hook_code)
     cmd = [TUNE, "run", "--nproc_per_node", "2", "recipes/grpo_full_finetune.py", "--config",
            "recipes/configs/tiny_grpo.yaml", f"output_dir={tmp_path / 'run'}", *overrides]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{hook}", "OMP_NUM_THREADS": "1"}
@@ -226,6 +241,17 @@ def test_a_failed_periodic_save_on_two_ranks_ends_both_alike(tmp_path):
     # with gloo's "Connection closed by peer"
     errors = _full_disk_run(tmp_path, "num_steps=3", "save_every=1")
     assert errors[0] == errors[1] and "No space left on device" in errors[0], errors
+
+
+def test_a_grader_failing_on_one_rank_stops_both_with_the_step_before_saved(tmp_path):
+    # rank 1 raised the NaN-reward error as a traceback; rank 0 died in the next collective
+    # with gloo's "Connection closed by peer", not saying why
+    errors = _full_disk_run(tmp_path, "num_steps=3", "save_every=0",
+                            hook_code=NAN_REWARD_ON_RANK_1)
+    saved = "; the weights of step 0 were saved in "
+    assert all(e.startswith("error: step 1: ") and saved in e for e in errors), errors
+    assert any("score() returned non-finite rewards for responses [0]" in e for e in errors)
+    assert any("another rank refused its inputs" in e for e in errors), errors
 
 
 def test_a_non_finite_gradient_on_two_ranks_ends_with_one_outcome(tmp_path):
