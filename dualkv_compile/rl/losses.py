@@ -28,9 +28,15 @@ def group_advantages(rewards: Tensor, *, eps: float = 1e-6, scale: bool = True) 
     (TRL and veRL divide by the sample standard deviation, sqrt(N / (N - 1)) larger). A group
     whose rewards are all equal gets exactly 0: its mean's rounding (rewards such as 1/3) would
     otherwise be divided by eps."""
-    if rewards.dim() != 2 or 0 in rewards.shape:
-        raise ValueError(f"rewards must be [groups, samples] with at least one of each, got "
-                         f"shape {tuple(rewards.shape)}")
+    if not isinstance(scale, bool):  # "no" is true
+        raise ValueError(f"scale={scale!r} must be True or False")
+    if isinstance(rewards, list):  # as overlong_penalty takes its lengths
+        rewards = torch.as_tensor(rewards)
+    if not isinstance(rewards, Tensor) or rewards.dim() != 2 or 0 in rewards.shape:
+        got = (f"shape {tuple(rewards.shape)}" if isinstance(rewards, Tensor)
+               else type(rewards).__name__)
+        raise ValueError(f"rewards must be [groups, samples] with at least one of each, "
+                         f"got {got}")
     eps = real_arg("eps", eps, 0.0)  # a negative eps divided a group's spread by ~0 or < 0
     if not rewards.is_floating_point():  # 0/1 rule rewards as bool or int
         rewards = rewards.to(torch.get_default_dtype())
@@ -81,8 +87,12 @@ def _check_mask(mask) -> None:
 
 def overlong_penalty(lengths: Tensor, *, max_len: int, cache_len: int) -> Tensor:
     """DAPO soft overlong punishment: 0 up to max_len - cache_len tokens, then falling linearly
-    to -1 at max_len, -1 beyond. lengths: a tensor, or a list of lengths."""
+    to -1 at max_len, -1 beyond. lengths: a tensor, or a list of lengths, [B], each >= 0."""
     lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.is_complex() or lengths.dtype == torch.bool or not bool(
+            (torch.isfinite(lengths) & (lengths >= 0)).all()):  # (NaN reached the rewards)
+        raise ValueError(f"lengths must be [B] finite counts >= 0, got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}: {lengths.tolist()[:8]}")
     max_len, cache_len = integer_arg("max_len", max_len, 1), integer_arg("cache_len", cache_len, 1)
     if not cache_len <= max_len:
         raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, "

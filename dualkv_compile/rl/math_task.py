@@ -28,24 +28,32 @@ __all__ = ["MathJSONLTask", "final_number"]
 
 log = logging.getLogger(__name__)
 
-# a number: a sign (ASCII or Unicode minus) unless it follows a digit or letter ("10-5",
+# minus signs: ASCII's, Unicode's, an en dash and a full-width one (a sign lost would credit
+# -5 as 5); each reads as "-"
+_MINUS = "-\u2212\u2013\uff0d"
+_AS_HYPHEN = str.maketrans({c: "-" for c in _MINUS[1:]})
+# a number: a sign (one of _MINUS) unless it follows a digit or letter ("10-5",
 # "2023-10-05" are no negative numbers); digits with thousands separators in groups of three,
 # plain digits, or a leading decimal point; an exponent ("3.14e2") or a fraction bar
-_NUMBER = re.compile(r"(?:(?<!\w)[-\u2212])?(?:[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
-                     r"|\.\d+)"
+_NUMBER = re.compile(r"(?:(?<!\w)[-\u2212\u2013\uff0d])?"
+                     r"(?:[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
                      r"(?:[eE][-+]?\d+|/\d+)?")
 # LaTeX fractions, as MATH writes answers: \frac{3}{4}, \dfrac{-1}{2}, \tfrac, -\frac{3}{4},
 # and the brace-free \frac12 (each argument in braces or one digit)
 _MAX_EXPONENT = 100
 # (an argument's spaces are stripped after the match: "\{\s*([^{}]*?)\s*\}" backtracked in
 # quadratic time over the spaces of an unclosed brace)
-_LATEX_FRACTION = re.compile(r"([-\u2212]\s*)?\\[dt]?frac\s*(?:\{([^{}]*)\}|(\d))"
+_LATEX_FRACTION = re.compile(r"([-\u2212\u2013\uff0d]\s*)?\\[dt]?frac\s*(?:\{([^{}]*)\}|(\d))"
                              r"\s*(?:\{([^{}]*)\}|(\d))")
-_PLAIN = re.compile(r"[-\u2212]?[\d.,]+")
+_PLAIN = re.compile(r"[-\u2212\u2013\uff0d]?[\d.,]+")
 # what a boxed number may carry besides it: spacing, sizing, $, %, degrees, a unit in \text{}
 # (squared or cubed: "25\text{ cm}^2")
-_DECORATION = re.compile(r"\\(?:left|right|[,;: ])|\\?[$%]|\^\{?\\circ\}?|\u00b0|\\degree\b|"
-                         r"\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*\}(?:\^\{?\d\}?)?")
+_DECORATION = re.compile(r"\\(?:left|right|[,;: ]|[dt]extstyle|displaystyle)|~|\\?[$%]|"
+                         r"\^\{?\\circ\}?|\u00b0|\\degree\b|"
+                         r"\\(?:text|textbf|textrm|mbox|mathrm)\{[^{}\d]*\}(?:\^\{?\d\}?)?")
+# a number and its unit in one text font: \text{42 apples} (words only after the number)
+_FONT_UNIT = re.compile(r"\\(?:text|textrm|mbox)\{\s*([-\u2212\u2013\uff0d]?[\d.,]+)"
+                        r"\s+[A-Za-z][A-Za-z ]*\}")
 # a number set in a font (digits inside: a unit's \text{ cm} is decoration, above)
 _FONT = re.compile(r"\\(?:text|textbf|textrm|mathbf|mathrm|mbox|boldsymbol)\{([^{}]*\d[^{}]*)\}")
 # digits past which a number is no answer (int() refuses 4300: the number before it is not
@@ -55,15 +63,17 @@ _MAX_DIGITS = 4000
 # would leave "7 125", read as seven thousand)
 _WORD_BETWEEN = re.compile(r"(?<=[\d}])\s*\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*[A-Za-z][^{}\d]*\}"
                            r"\s*(?=[\d\\])")
-_MIXED = re.compile(r"([-\u2212]?)(\d+) (\d+)/(\d+)")
+_MIXED = re.compile(r"([-\u2212\u2013\uff0d]?)(\d+) (\d+)/(\d+)")
 # the whole part of a mixed number in running text: an integer standing alone (after a space,
 # a line break or the start; not a time's "10:30", a ratio's "3:1", a date's "10-05" or an
 # exponent's "x^2"), spaces before the fraction (not a tab: a table's column)
-_WHOLE_BEFORE = re.compile(r"(?<!\S)[-\u2212]?\d+ +$")
+_WHOLE_BEFORE = re.compile(r"(?<!\S)[-\u2212\u2013\uff0d]?\d+ +$")
 # GSM8K's answer line: "#### 42" and nothing else on it (not a heading "#### Step 2: ...")
-_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-\u2212]?[\d.,/]+)[ \t]*\.?[ \t]*$",
+_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-\u2212\u2013\uff0d]?[\d.,/]+)"
+                         r"[ \t]*\.?[ \t]*$",
                          re.MULTILINE)
-_SPACED_THOUSANDS = re.compile(r"[-\u2212]?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
+_BOXED = re.compile(r"\\boxed\s*(?=\{)")
+_SPACED_THOUSANDS = re.compile(r"[-\u2212\u2013\uff0d]?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
 
 
 def _fraction(m: re.Match) -> str:
@@ -74,24 +84,29 @@ def _fraction(m: re.Match) -> str:
     den = (m.group(4) if m.group(4) is not None else m.group(5)).strip()
     if not (num and den):  # \frac{}{2}
         return m.group(0)
-    if not (_PLAIN.fullmatch(num) and _PLAIN.fullmatch(den)) or den[0] in "-\u2212":
+    if not (_PLAIN.fullmatch(num) and _PLAIN.fullmatch(den)):
         return m.group(0)
+    if den[0] in _MINUS:  # \frac{1}{-2}: the sign moves to the numerator
+        if len(den) == 1 or den[1] in _MINUS:
+            return m.group(0)
+        den, sign = den[1:], not sign
     if sign:
-        num = num[1:] if num[0] in "-\u2212" else "-" + num
+        num = num[1:] if num[0] in _MINUS else "-" + num
     return f" {num}/{den} "
 
 
 def _last_boxed(text: str) -> str | None:
-    """The contents of the last \\boxed{...} (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    """The contents of the last \\boxed{...} or \\boxed {...} (braces balanced), "" for a last
+    box left open (a response cut off inside it: no answer, not the digits in it), or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
         return None
-    depth, i = 0, start + len("\\boxed")
+    depth, i = 0, starts[-1]
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
-    return None
+    return ""
 
 
 def _value(token: str) -> str | None:
@@ -101,7 +116,7 @@ def _value(token: str) -> str | None:
     if exponent and (len(exponent) > 3 or int(exponent) > _MAX_EXPONENT):
         return None
     try:
-        return str(Fraction(token.replace("\u2212", "-").replace(",", "")))
+        return str(Fraction(token.translate(_AS_HYPHEN).replace(",", "")))
     except (ZeroDivisionError, ValueError):
         return None
 
@@ -132,12 +147,13 @@ def _boxed_number(boxed: str) -> str | None:
     text = _LATEX_FRACTION.sub(_fraction, boxed).replace("\\!", "")  # MATH's 10,\\!000
     text = re.sub(r"(?<=\d)\{,\}(?=\d)", ",", text)  # LaTeX's 1{,}000 (not \text{,})
     text = _WORD_BETWEEN.sub(" \\nonumber ", text)  # "7 \text{ R } 125": not one number
+    text = _FONT_UNIT.sub(r"\1", text)  # \text{42 apples}
     text = _FONT.sub(r"\1", text)  # \text{5}, \mathbf{5}: the number in a font
     text = _unbraced(text)  # {5}, {{5}}
     text = re.sub(r"^\s*\+\s*(?=[\d.])", "", text)  # +5
-    text = re.sub(r"^\s*[A-Za-z]\w*\s*=", "", text)
+    text = re.sub(r"^\s*(?:[A-Za-z]\w*|\\(?:text|textrm|mathrm|mbox)\{[A-Za-z ]+\})\s*=", "", text)
     text = " ".join(_DECORATION.sub(" ", text).split()).rstrip(". ")
-    text = re.sub(r"^([-\u2212]) (?=[\d.])", r"\1", text)  # "- 5"
+    text = re.sub(r"^([-\u2212\u2013\uff0d]) (?=[\d.])", r"\1", text)  # "- 5"
     mixed = _MIXED.fullmatch(text)
     if mixed:
         sign, whole, num, den = mixed.groups()
@@ -238,10 +254,11 @@ class MathJSONLTask(SeededTask):
                 raise ValueError(f"{path}:{n} is not UTF-8 ({e.reason} at byte {e.start} of "
                                  f"the line)") from None
             if line.strip():
-                try:
+                try:  # (an integer past 4300 digits is a ValueError, deep nesting a
+                    # RecursionError: each named by its line too)
                     row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n} is not JSON: {e}") from None
+                except (ValueError, RecursionError) as e:
+                    raise ValueError(f"{path}:{n} is not JSON we read: {e}") from None
                 if not isinstance(row, dict) or "question" not in row or "answer" not in row:
                     raise ValueError(f"{path}:{n} needs 'question' and 'answer' fields")
                 if not isinstance(row["question"], str) or not row["question"].strip():
@@ -281,7 +298,7 @@ class MathJSONLTask(SeededTask):
         """n prompts, left-padded with the tokenizer's pad id to one length, and their answers."""
         idx = torch.randint(0, len(self.questions), (n,), generator=self.generator).tolist()
         encoded = [self._encode(i) for i in idx]
-        width = max(len(e) for e in encoded)
+        width = max((len(e) for e in encoded), default=1)  # n = 0: [0, 1], as a draw's need
         tokens = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
         for row, e in enumerate(encoded):
             tokens[row, width - len(e):] = torch.tensor(e)

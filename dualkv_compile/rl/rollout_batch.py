@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..arguments import integer_arg
-from ..layout.batch_checks import rows_with_gaps
+from ..layout.batch_checks import as_padding_mask, checked_prompt_len, rows_with_gaps
 from ..rollout import RolloutEngine, SamplingParams, plan_calls
 from ..rollout.engine import check_cache_dtype
 from ..rollout.prompts import check_prompt_ids, valid_prompt_tokens
@@ -104,6 +104,13 @@ def truncated_responses(tokens: Tensor, mask: Tensor, *, prompt_len: int,
     """tokens, mask [B, P + T] as rollout_batch returns them -> bool [B]: the response ends
     without a stop token, cut at max_generated_tokens (with no stop tokens, every response).
     DAPO's overlong filtering keeps these out of the loss. stop_tokens as rollout_batch's."""
+    if not (isinstance(tokens, Tensor) and isinstance(mask, Tensor) and tokens.dim() == 2
+            and mask.shape == tokens.shape):  # (a narrower mask broadcast: every row cut)
+        raise ValueError(f"tokens and mask must be [B, P + T] of one shape, got "
+                         f"{tuple(getattr(tokens, 'shape', ()))} and "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    prompt_len = checked_prompt_len(prompt_len, tokens.shape[1])
+    mask = as_padding_mask(mask)
     response = tokens[:, prompt_len:]
     return ~(stop_mask(response, stop_ids(stop_tokens)) & mask[:, prompt_len:]).any(1)
 

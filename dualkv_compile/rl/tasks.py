@@ -100,8 +100,8 @@ class RepeatLastLetterTask(SeededTask):
         """n prompts of equal length: tokens [n, prompt_letters + 2] and their answer letters."""
         idx = torch.randint(0, len(self.letters), (n, self.prompt_letters), generator=self.generator)
         texts = ["".join(self.letters[i] for i in row) + ":" for row in idx.tolist()]
-        tokens = torch.tensor([self.tokenizer.encode(t) for t in texts])
-        return tokens, [t[-2] for t in texts]
+        tokens = torch.tensor([self.tokenizer.encode(t) for t in texts], dtype=torch.long)
+        return tokens.reshape(n, self.max_prompt_len), [t[-2] for t in texts]  # (n = 0 too)
 
     def rewards(self, responses: Tensor, answers: list[str]) -> Tensor:
         """responses [B, R] token ids (generation stops at eos) -> rewards [B] in [0, 1]."""

@@ -72,6 +72,26 @@ def test_final_number_edges(text, value):
     assert final_number(text) == value
 
 
+@pytest.mark.parametrize("text,value", [
+    # \boxed with a space, and a last box left open (a response cut off in it): the digits in
+    # the box were read as the last number (2, 2, 3, 2, 2)
+    ("\\boxed {\\sqrt{2}}", None), ("\\boxed {2\\pi}", None), ("\\boxed\t{10^{3}}", None),
+    ("So \\boxed{\\sqrt{2}}. Again: \\boxed{\\sqrt{2", None),
+    ("\\boxed{7}. Let me verify \\boxed{2\\pi", None), ("\\boxed {5}", "5"),
+    # right answers once read as no number
+    ("\\boxed{\\text{42 apples}}", "42"), ("\\boxed{\\displaystyle 5}", "5"),
+    ("\\boxed{5~\\text{cm}}", "5"), ("\\boxed{5\\textrm{ cm}}", "5"),
+    ("\\boxed{\\frac{1}{-2}}", "-1/2"), ("-\\frac{1}{-2}", "1/2"),
+    ("\\boxed{\\text{Area} = 25}", "25"), ("\\boxed{\\mathrm{3 i}}", None),
+    # an en dash or a full-width minus is a sign (the wrong answer 5 was credited), not after
+    # a digit (a range)
+    ("The answer is \u20135", "-5"), ("The answer is \uff0d5", "-5"), ("pages 3\u20135", "5"),
+    ("#### \u20137", "-7"),
+])
+def test_final_number_boxes_units_and_signs(text, value):
+    assert final_number(text) == value
+
+
 def test_an_unclosed_fraction_takes_linear_time():
     # "\{\s*([^{}]*?)\s*\}" backtracked quadratically: 24 s at 4,000 spaces
     import time

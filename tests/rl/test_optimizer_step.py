@@ -137,6 +137,14 @@ def test_truncated_responses_end_without_a_stop_token():
                                stop_tokens=[eos]).tolist() == [False, True, True, True]
     # with no stop tokens every response is cut at the cap
     assert truncated_responses(tokens, mask, prompt_len=3, stop_tokens=()).all()
+    # a narrower mask broadcast, a prompt_len past L or negative: every row read as cut (and
+    # filtered out of the loss), without an error
+    for bad, match in [(dict(mask=mask[:, :5]), r"of one shape, got \(4, 7\) and \(4, 5\)"),
+                       (dict(prompt_len=10), r"prompt_len=10 is outside \[1, L=7\]"),
+                       (dict(prompt_len=-1), r"prompt_len=-1 is outside")]:
+        with pytest.raises(ValueError, match=match):
+            truncated_responses(**{"tokens": tokens, "mask": mask, "prompt_len": 3,
+                                   "stop_tokens": [eos], **bad})
 
 
 def test_per_row_inputs_are_checked_before_any_micro_batch_runs():

@@ -239,6 +239,16 @@ def test_a_dataset_line_that_is_not_json_is_named(tmp_path, checkpoint):
     data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", answer: 4}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 is not JSON"):
         MathJSONLTask(HFTokenizer(str(folder)), path=str(data))
+    # an integer past Python's 4300 digits, or nesting past the recursion limit, in a field the
+    # task does not read: a bare ValueError or RecursionError without the line
+    good = '{"question": "1+1?", "answer": "2"}\n'
+    for extra in ('"id": ' + "9" * 5000, '"meta": ' + "[" * 100000 + "]" * 100000):
+        data.write_text(good + '{"question": "q", "answer": "5", ' + extra + "}\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl:2 is not JSON we read: "):
+            MathJSONLTask(HFTokenizer(str(folder)), path=str(data))
+    data.write_text(good)  # a draw of 0 prompts (a rank's need of 0) is [0, P]
+    prompts, answers = MathJSONLTask(HFTokenizer(str(folder)), path=str(data)).sample_prompts(0)
+    assert prompts.shape[0] == 0 and prompts.dim() == 2 and answers == []
 
 
 def test_a_save_that_fails_midway_leaves_the_saved_folder_whole(tmp_path, checkpoint,

@@ -44,6 +44,27 @@ def test_dynamic_sampling_and_overlong_shaping():
     assert torch.allclose(pen, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
     with pytest.raises(ValueError, match="cache_len=0"):
         overlong_penalty(torch.tensor([1]), max_len=10, cache_len=0)
+    # a negative length got 0, a NaN one a NaN penalty (added to rewards already checked), a
+    # [1, B] tensor passed
+    for bad in (torch.tensor([-5.0, 3.0]), torch.tensor([float("nan")]), torch.tensor([[9, 10]])):
+        with pytest.raises(ValueError, match="lengths must be \\[B\\] finite counts >= 0"):
+            overlong_penalty(bad, max_len=10, cache_len=4)
+
+
+def test_a_draw_of_no_prompts_is_zero_rows():
+    prompts, answers = RepeatLastLetterTask(CharTokenizer()).sample_prompts(0)
+    assert prompts.shape == (0, RepeatLastLetterTask(CharTokenizer()).max_prompt_len)
+    assert answers == []
+
+
+def test_group_advantages_argument_forms():
+    # scale="no" still scaled; a list raised a bare AttributeError
+    r = torch.tensor([[1.0, 0.0, 0.5]])
+    assert torch.equal(group_advantages([[1.0, 0.0, 0.5]]), group_advantages(r))
+    with pytest.raises(ValueError, match="scale='no' must be True or False"):
+        group_advantages(r, scale="no")
+    with pytest.raises(ValueError, match="rewards must be .* got str"):
+        group_advantages("1 0")
 
 
 def test_grpo_loss_by_hand():
