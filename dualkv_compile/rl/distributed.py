@@ -113,13 +113,14 @@ def all_max(*values: float) -> list[float]:
     return _reduce(values, "max")
 
 
-def raise_on_every_rank(refused: Exception | None, what: str) -> None:
+def raise_on_every_rank(refused: Exception | None, what: str,
+                        error: type[Exception] = ValueError) -> None:
     """Raise `refused` (this rank's error, or None) where it happened, and on every other rank
-    an error saying another rank refused: a refusal on one rank alone left the others waiting
+    an `error` saying another rank refused: a refusal on one rank alone left the others waiting
     in the next collective. Collective: every rank calls it."""
     if world()[1] > 1 and all_max(float(refused is not None))[0] and refused is None:
-        raise ValueError(f"{what}: another rank refused its inputs (its error says why); every "
-                         f"rank stops, so that none waits in a collective")
+        raise error(f"{what}: another rank refused its inputs (its error says why); every "
+                    f"rank stops, so that none waits in a collective")
     if refused is not None:
         raise refused
 

@@ -55,12 +55,12 @@ def checked_rewards(rewards, rows: int, source: str = "score()") -> Tensor:
     read as a learning rate too high)."""
     if not isinstance(rewards, Tensor) or tuple(rewards.shape) != (rows,):
         got = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
-        raise ValueError(f"{source} returned rewards of {got}; it must return a tensor of one "
+        raise BatchRefused(f"{source} returned rewards of {got}; it must return a tensor of one "
                          f"reward per response, shape ({rows},)")
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist() if \
         rewards.is_floating_point() else []
     if bad:
-        raise ValueError(f"{source} returned non-finite rewards for responses {bad[:8]} "
+        raise BatchRefused(f"{source} returned non-finite rewards for responses {bad[:8]} "
                          f"({rewards[bad[:8]].tolist()}); a grader that fails must return a "
                          f"number (e.g. 0), not NaN or inf")
     return rewards
@@ -70,16 +70,14 @@ def _tried(fn) -> tuple[Exception | None, object]:
     """(None, fn()) or (the exception fn raised, None)."""
     try:
         return None, fn()
-    except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+    except Exception as e:  # noqa: BLE001 - raised again by _agree, on every rank
         return e, None
 
 
 def _agree(refused: Exception | None) -> None:
-    """BatchRefused on every rank if any refused (ddp.raise_on_every_rank)."""
-    try:
-        ddp.raise_on_every_rank(refused, "scored_groups")
-    except Exception as e:  # noqa: BLE001 - one type for the caller, the cause's in its text
-        raise BatchRefused(e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}") from e
+    """Raise `refused` where it happened (BatchRefused from the checks here, or what draw()
+    or score() raised, with its traceback) and BatchRefused on the other ranks."""
+    ddp.raise_on_every_rank(refused, "scored_groups", error=BatchRefused)
 
 
 def _checked_draw(drawn, need: int) -> tuple[Tensor, list]:
@@ -89,11 +87,11 @@ def _checked_draw(drawn, need: int) -> tuple[Tensor, list]:
     if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.shape[0] != need:
         got = (tuple(prompts.shape) if isinstance(prompts, Tensor) else
                type(prompts if prompts is not None else drawn).__name__)
-        raise ValueError(f"draw({need}) returned prompts of {got}; it must return (prompts "
+        raise BatchRefused(f"draw({need}) returned prompts of {got}; it must return (prompts "
                          f"[{need}, P] tensor, answers [{need}])")
     if answers is None or not hasattr(answers, "__len__") or len(answers) != need:
         got = len(answers) if hasattr(answers, "__len__") else type(answers).__name__
-        raise ValueError(f"draw({need}) returned {got} answers for {need} prompts")
+        raise BatchRefused(f"draw({need}) returned {got} answers for {need} prompts")
     return prompts, list(answers)
 
 
@@ -102,7 +100,7 @@ def _checked_rollout(out, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     parts = out if isinstance(out, tuple) and len(out) == 3 else ()
     shapes = [tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in parts]
     if not parts or any(not isinstance(x, Tensor) or x.shape[0] != rows for x in parts):
-        raise ValueError(f"rollout() returned {shapes or type(out).__name__}; it must return "
+        raise BatchRefused(f"rollout() returned {shapes or type(out).__name__}; it must return "
                          f"(tokens, mask, lengths) of {rows} rows (need x group_size)")
     return parts
 

@@ -36,8 +36,10 @@ class HFTokenizer:
         # (GPT-2's bos = eos, a WordLevel tokenizer without a template)
         self.adds_bos = self.bos_id is not None and (
             self._tok("0", add_special_tokens=True).input_ids[:1] == [self.bos_id])
-        # ids decode(skip_special_tokens) drops: read as UNKNOWN inside a response (decode)
-        self._no_text = frozenset(self._tok.all_special_ids)
+        # ids decode(skip_special_tokens) drops, read as UNKNOWN inside a response (decode): the
+        # named special tokens and every added token marked special (Llama 3's header tokens)
+        self._no_text = frozenset(self._tok.all_special_ids) | {
+            i for i, t in self._tok.added_tokens_decoder.items() if t.special}
         if self.adds_bos and self.bos_id == self.pad_id:
             raise ValueError(f"the tokenizer in {path} adds bos id {self.bos_id}, which is also "
                              f"its pad id: a prompt's bos would be read as left padding")

@@ -51,9 +51,6 @@ _PLAIN = re.compile(r"[-\u2212\u2013\uff0d]?[\d.,]+")
 _DECORATION = re.compile(r"\\(?:left|right|[,;: ]|[dt]extstyle|displaystyle)|~|\\?[$%]|"
                          r"\^\{?\\circ\}?|\u00b0|\\degree\b|"
                          r"\\(?:text|textbf|textrm|mbox|mathrm)\{[^{}\d]*\}(?:\^\{?\d\}?)?")
-# a number and its unit in one text font: \text{42 apples} (words only after the number)
-_FONT_UNIT = re.compile(r"\\(?:text|textrm|mbox)\{\s*([-\u2212\u2013\uff0d]?[\d.,]+)"
-                        r"\s+[A-Za-z][A-Za-z ]*\}")
 # a number set in a font (digits inside: a unit's \text{ cm} is decoration, above)
 _FONT = re.compile(r"\\(?:text|textbf|textrm|mathbf|mathrm|mbox|boldsymbol)\{([^{}]*\d[^{}]*)\}")
 # digits past which a number is no answer (int() refuses 4300: the number before it is not
@@ -147,7 +144,6 @@ def _boxed_number(boxed: str) -> str | None:
     text = _LATEX_FRACTION.sub(_fraction, boxed).replace("\\!", "")  # MATH's 10,\\!000
     text = re.sub(r"(?<=\d)\{,\}(?=\d)", ",", text)  # LaTeX's 1{,}000 (not \text{,})
     text = _WORD_BETWEEN.sub(" \\nonumber ", text)  # "7 \text{ R } 125": not one number
-    text = _FONT_UNIT.sub(r"\1", text)  # \text{42 apples}
     text = _FONT.sub(r"\1", text)  # \text{5}, \mathbf{5}: the number in a font
     text = _unbraced(text)  # {5}, {{5}}
     text = re.sub(r"^\s*\+\s*(?=[\d.])", "", text)  # +5

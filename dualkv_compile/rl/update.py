@@ -81,9 +81,9 @@ def optimizer_step(policy, loss_fn, optimizer: torch.optim.Optimizer, tokens: Te
         if x is None or not x > 0:  # inf: no clipping
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a number > 0 (math.inf "
                              f"for no clipping): a negative one reverses the update, 0 zeroes it")
-        if not isinstance(counted, bool):
-            raise ValueError(f"counted={counted!r} must be True or False (it scales the "
-                             f"normalisers: 2 halved the update)")
+        if not _zero_or_one(counted):  # (it scales the normalisers: 2 halved the update)
+            raise ValueError(f"counted={counted!r} must be True or False (or 1 or 0)")
+        counted = bool(counted)
         mask = as_padding_mask(mask)
         resp_mask = mask[:, p:] if loss_mask is None else _checked_loss_mask(loss_mask,
                                                                               mask[:, p:])
@@ -227,6 +227,14 @@ def _check_rows(tokens: Tensor, prompt_len, **per_row: Tensor) -> int:
             raise ValueError(f"{name} must be {list(want[name])} for tokens {[b, length]} with "
                              f"prompt_len={prompt_len}, got {got}")
     return prompt_len
+
+
+def _zero_or_one(x) -> bool:
+    """x is a bool, numpy bool, one-element tensor or number equal to 0 or 1."""
+    try:
+        return not isinstance(x, str) and any(bool(x == v) for v in (0, 1))
+    except (TypeError, RuntimeError, ValueError):  # a tensor of several values
+        return False
 
 
 def _check_finite(resp_mask: Tensor, **values: Tensor | None) -> None:

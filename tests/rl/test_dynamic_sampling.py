@@ -134,6 +134,20 @@ def test_a_draw_or_rollout_that_breaks_its_contract_is_named():
                                    r"must return \(tokens, mask, lengths\) of 4 rows")]
     for draw, rollout, match in cases:
         s.draws.clear()
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(dynamic_sampling.BatchRefused, match=match):
             scored_groups(draw, rollout, s.score, groups=2, group_size=N, dynamic_sampling=True,
                           pad_id=PAD)
+
+
+def test_an_error_raised_in_the_grader_keeps_its_type_and_traceback():
+    # it was wrapped in BatchRefused, which the recipe prints as one line without the line of
+    # the grader that raised it
+    s = Script([2], [[(1.0, 1.0), (0.0, 1.0)]])
+
+    def buggy_score(responses, answers, lengths):
+        return {}["a typo in the grader"]
+
+    with pytest.raises(KeyError, match="a typo in the grader") as e:
+        scored_groups(s.draw, s.rollout, buggy_score, groups=2, group_size=N,
+                      dynamic_sampling=False, pad_id=PAD)
+    assert e.traceback[-1].name == "buggy_score"

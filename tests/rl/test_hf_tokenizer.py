@@ -51,6 +51,23 @@ def test_ids_the_tokenizer_cannot_decode_read_as_unknown(folder):
     assert tok.decode([four, two, tok.eos_id]) == "42"
 
 
+def test_added_special_tokens_read_as_unknown_and_added_text_tokens_as_text(tmp_path, folder):
+    # an added token marked special (Llama 3's <|start_header_id|>) but not named among the
+    # additional special tokens was dropped too: "4<tool_call>2" read as 42; an added token
+    # that is not special (Qwen3's <think>) is text
+    from dualkv_compile.rl.hf_tokenizer import UNKNOWN
+
+    fast = tf.PreTrainedTokenizerFast.from_pretrained(folder)
+    fast.add_tokens(["<tool_call>"], special_tokens=True)
+    fast.add_tokens(["<think>"], special_tokens=False)
+    fast.save_pretrained(tmp_path / "added")
+    tok = HFTokenizer(str(tmp_path / "added"))
+    four, two = (tok.encode(c, add_bos=False)[0] for c in "42")
+    call, think = fast.convert_tokens_to_ids(["<tool_call>", "<think>"])
+    assert tok.decode([four, call, two, tok.eos_id]) == f"4{UNKNOWN}2"
+    assert "<think>" in tok.decode([think, four, two, tok.eos_id])
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer directory"):
         HFTokenizer(str(tmp_path / "nope"))

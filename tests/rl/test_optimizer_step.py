@@ -5,6 +5,7 @@ nothing; and rl.truncated_responses, which gives the rows to filter."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,7 +188,8 @@ def test_non_finite_inputs_the_loss_counts_and_a_non_bool_counted_are_refused():
     cases = [((nan_old, ref, adv_pos), {}, rf"old is not finite at row, token {row}, {tok},"),
              ((old, nan_ref, adv), {}, rf"ref is not finite at row, token {row}, {tok},"),
              ((old, ref, nan_adv), {}, rf"advantages is not finite at row {row},"),
-             ((old, ref, adv), {"counted": 2}, r"counted=2 must be True or False")]
+             ((old, ref, adv), {"counted": 2}, r"counted=2 must be True or False"),
+             ((old, ref, adv), {"counted": "no"}, r"counted='no' must be True or False")]
     for (o, r, a), extra, match in cases:
         with pytest.raises(ValueError, match=match):
             optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, o, r, a,
@@ -204,6 +206,11 @@ def test_non_finite_inputs_the_loss_counts_and_a_non_bool_counted_are_refused():
     stats = optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, pad_old, ref,
                            adv, **kw)
     assert stats.stepped and stats.loss == stats.loss
+    model, tokens, mask, p, old, ref, adv, loss_fn = setup("token")  # (weights not stepped)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for counted in (1, np.True_, torch.tensor(True)):  # a 0/1 counted as the bool it is
+        assert optimizer_step(dk.optimize(model), loss_fn, opt, tokens, mask, p, old, ref, adv,
+                              counted=counted, **kw).stepped
 
 
 def test_max_grad_norm_and_empty_or_integer_masks():
