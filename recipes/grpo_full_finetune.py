@@ -138,7 +138,8 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
         self.ref_model = (ddp.reference_copy(self.model)  # shaped like the policy: shared compiles
                           if needs_reference(self.loss_fn) else None)
         if self.ref_model is None and self.rank == 0:
-            print("loss.kl_coef=0: no reference model is built or run (kl is not logged)", flush=True)
+            print("loss.kl_coef=0: no reference model is built or run (kl is not logged)",
+                  flush=True)
         references = [] if self.ref_model is None else [self.ref_model]
         if cfg.get("enable_activation_checkpointing", False):
             # per-layer checkpointing (torchtune's, or transformers' own); optimize() inlines the

@@ -165,8 +165,9 @@ def micro_batch_rows(padding_mask: Tensor, *, prompt_len: int, group_size: int,
                      tokens: Tensor | None = None, count: bool = True) -> list:
     """The rows of each micro-batch, as indices into the batch: `groups` whole groups each
     (slices; the last may hold fewer), or by packed-token budget when `max_tokens` is given
-    (index tensors; `groups` is then unused and may be None, but a value given is checked). Rows must be group-major, as in
-    `plan_micro_batches`; `tokens`, when given, are checked for it. Arguments are checked as
+    (index tensors; `groups` is then unused and may be None, but a value given is checked).
+    Rows must be group-major, as in `plan_micro_batches`; `tokens`, when given, are checked
+    for it. Arguments are checked as
     in `plan_micro_batches`; bad ones raise ValueError naming the value. count=False: a batch
     planned before (the recipe's logprob passes plan the update's batch again) is not counted
     again in counters["groups_split"] and ["rows_over_budget"]."""

@@ -150,8 +150,9 @@ def full_state_dicts(model: nn.Module, optimizer) -> tuple[dict, dict | None]:
     model_state = get_model_state_dict(model, options=options)
     if optimizer is None:
         optim_state = None
-    elif not optimizer.state:  # before the first step (every rank alike): get_optimizer_state_dict
-        # would make a state by stepping at lr 0, AdamW's count 1, which a resume continued from
+    elif not optimizer.state:  # before the first step (on every rank alike):
+        # get_optimizer_state_dict would make a state by stepping at lr 0, AdamW's count 1,
+        # which a resume then continued from
         optim_state = {"state": {}, "param_groups": []}
     else:
         optim_state = get_optimizer_state_dict(model, optimizer, options=options)

@@ -50,19 +50,19 @@ class ScoredGroups(NamedTuple):
 
 def checked_rewards(rewards, rows: int, source: str = "score()") -> Tensor:
     """`rewards` as `source` returned them, if they are a tensor of one finite number per
-    response ([rows]); a ValueError naming what is wrong otherwise (a [rows, 1] tensor would
-    broadcast against the overlong penalty, a NaN from a failed grader would reach the loss and
-    read as a learning rate too high)."""
+    response ([rows]); BatchRefused (a ValueError) naming what is wrong otherwise (a [rows, 1]
+    tensor would broadcast against the overlong penalty, a NaN from a failed grader would reach
+    the loss and read as a learning rate too high)."""
     if not isinstance(rewards, Tensor) or tuple(rewards.shape) != (rows,):
         got = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
-        raise BatchRefused(f"{source} returned rewards of {got}; it must return a tensor of one "
-                         f"reward per response, shape ({rows},)")
+        raise BatchRefused(f"{source} returned rewards of {got}; it must return a tensor of "
+                           f"one reward per response, shape ({rows},)")
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist() if \
         rewards.is_floating_point() else []
     if bad:
         raise BatchRefused(f"{source} returned non-finite rewards for responses {bad[:8]} "
-                         f"({rewards[bad[:8]].tolist()}); a grader that fails must return a "
-                         f"number (e.g. 0), not NaN or inf")
+                           f"({rewards[bad[:8]].tolist()}); a grader that fails must return a "
+                           f"number (e.g. 0), not NaN or inf")
     return rewards
 
 
@@ -81,14 +81,14 @@ def _agree(refused: Exception | None) -> None:
 
 
 def _checked_draw(drawn, need: int) -> tuple[Tensor, list]:
-    """draw(need)'s (prompts [need, P], answers [need]), or a ValueError naming draw() (a
+    """draw(need)'s (prompts [need, P], answers [need]), or BatchRefused naming draw() (a
     mismatch surfaced as score()'s, and fewer answers than prompts were scored misaligned)."""
     prompts, answers = drawn if isinstance(drawn, tuple) and len(drawn) == 2 else (None, None)
     if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.shape[0] != need:
         got = (tuple(prompts.shape) if isinstance(prompts, Tensor) else
                type(prompts if prompts is not None else drawn).__name__)
         raise BatchRefused(f"draw({need}) returned prompts of {got}; it must return (prompts "
-                         f"[{need}, P] tensor, answers [{need}])")
+                           f"[{need}, P] tensor, answers [{need}])")
     if answers is None or not hasattr(answers, "__len__") or len(answers) != need:
         got = len(answers) if hasattr(answers, "__len__") else type(answers).__name__
         raise BatchRefused(f"draw({need}) returned {got} answers for {need} prompts")
@@ -96,12 +96,12 @@ def _checked_draw(drawn, need: int) -> tuple[Tensor, list]:
 
 
 def _checked_rollout(out, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """rollout(prompts)'s (tokens, mask, lengths) with `rows` rows, or a ValueError naming it."""
+    """rollout(prompts)'s (tokens, mask, lengths) with `rows` rows, or BatchRefused naming it."""
     parts = out if isinstance(out, tuple) and len(out) == 3 else ()
     shapes = [tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in parts]
     if not parts or any(not isinstance(x, Tensor) or x.shape[0] != rows for x in parts):
         raise BatchRefused(f"rollout() returned {shapes or type(out).__name__}; it must return "
-                         f"(tokens, mask, lengths) of {rows} rows (need x group_size)")
+                           f"(tokens, mask, lengths) of {rows} rows (need x group_size)")
     return parts
 
 

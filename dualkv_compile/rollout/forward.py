@@ -270,7 +270,8 @@ class _HFDecoder(_Modules):
         # _fixed_rope calls the undecorated function, skipping the module's hooks and forward
         hooks = foreign_hooks(rotary)
         if hooks or "forward" in vars(rotary):
-            what = f"hooks ({hook_names(hooks)})" if hooks else "its forward replaced on the instance"
+            what = (f"hooks ({hook_names(hooks)})" if hooks
+                    else "its forward replaced on the instance")
             raise _refuse(self.model, f"its dynamic RoPE's rotary_emb has {what}, which the "
                                       f"engine, running the undecorated rotary forward, would skip")
 
