@@ -16,12 +16,17 @@ def sync(path: Path) -> None:
     """fsync `path` (a file, or every file and folder in a folder, and the folder), so that its
     data and entries are on the disk before it is renamed."""
     path = Path(path)
-    inside = sorted(path.rglob("*")) if path.is_dir() else []
-    for f in [p for p in inside if p.is_file()] if path.is_dir() else [path]:
+    if not path.is_dir():
+        files, folders = [path], []
+    else:
+        inside = sorted(path.rglob("*"))
+        files = [p for p in inside if p.is_file()]
+        folders = [p for p in inside if p.is_dir()] + [path]  # (each holds entries above)
+    for f in files:
         with open(f, "rb") as handle:
             os.fsync(handle.fileno())
-    for folder in [p for p in inside if p.is_dir()] + ([path] if path.is_dir() else []):
-        _sync_dir(folder)  # (its entries: the files above, the folders below it)
+    for folder in folders:
+        _sync_dir(folder)
 
 
 def sync_entry(path: Path) -> None:

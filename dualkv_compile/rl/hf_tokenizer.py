@@ -72,10 +72,9 @@ class HFTokenizer:
         # an id the tokenizer has no text for (past its vocabulary in a padded LM head, its
         # unk, a special token) reads as UNKNOWN: decode drops it, which joined its neighbours
         # ("4", <bos>, "2" read as 42) and could score a wrong response as right
-        unk = self._tok.unk_token_id
         text, run = [], []
         for i in ids:
-            if not 0 <= i < len(self._tok) or i == unk or i in self._no_text:
+            if not 0 <= i < len(self._tok) or i in self._no_text:  # (unk is a special id)
                 text += [self._tok.decode(run, skip_special_tokens=True), UNKNOWN]
                 run = []
             else:

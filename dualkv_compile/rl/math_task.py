@@ -31,11 +31,12 @@ log = logging.getLogger(__name__)
 # minus signs: ASCII's, Unicode's, an en dash and a full-width one (a sign lost would credit
 # -5 as 5); each reads as "-"
 _MINUS = "-\u2212\u2013\uff0d"
+_SIGN = f"[{_MINUS}]"  # one of them, in a regular expression ("-" first: itself)
 _AS_HYPHEN = str.maketrans({c: "-" for c in _MINUS[1:]})
 # a number: a sign (one of _MINUS) unless it follows a digit or letter ("10-5",
 # "2023-10-05" are no negative numbers); digits with thousands separators in groups of three,
 # plain digits, or a leading decimal point; an exponent ("3.14e2") or a fraction bar
-_NUMBER = re.compile(r"(?:(?<!\w)[-\u2212\u2013\uff0d])?"
+_NUMBER = re.compile(r"(?:(?<!\w)" + _SIGN + r")?"
                      r"(?:[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
                      r"(?:[eE][-+]?\d+|/\d+)?")
 # LaTeX fractions, as MATH writes answers: \frac{3}{4}, \dfrac{-1}{2}, \tfrac, -\frac{3}{4},
@@ -43,9 +44,9 @@ _NUMBER = re.compile(r"(?:(?<!\w)[-\u2212\u2013\uff0d])?"
 _MAX_EXPONENT = 100
 # (an argument's spaces are stripped after the match: "\{\s*([^{}]*?)\s*\}" backtracked in
 # quadratic time over the spaces of an unclosed brace)
-_LATEX_FRACTION = re.compile(r"([-\u2212\u2013\uff0d]\s*)?\\[dt]?frac\s*(?:\{([^{}]*)\}|(\d))"
+_LATEX_FRACTION = re.compile(r"(" + _SIGN + r"\s*)?\\[dt]?frac\s*(?:\{([^{}]*)\}|(\d))"
                              r"\s*(?:\{([^{}]*)\}|(\d))")
-_PLAIN = re.compile(r"[-\u2212\u2013\uff0d]?[\d.,]+")
+_PLAIN = re.compile(_SIGN + r"?[\d.,]+")
 # what a boxed number may carry besides it: spacing, sizing, $, %, degrees, a unit in \text{}
 # (squared or cubed: "25\text{ cm}^2")
 _DECORATION = re.compile(r"\\(?:left|right|[,;: ]|[dt]extstyle|displaystyle)|~|\\?[$%]|"
@@ -60,17 +61,17 @@ _MAX_DIGITS = 4000
 # would leave "7 125", read as seven thousand)
 _WORD_BETWEEN = re.compile(r"(?<=[\d}])\s*\\(?:text|textbf|mbox|mathrm)\{[^{}\d]*[A-Za-z][^{}\d]*\}"
                            r"\s*(?=[\d\\])")
-_MIXED = re.compile(r"([-\u2212\u2013\uff0d]?)(\d+) (\d+)/(\d+)")
+_MIXED = re.compile(r"(" + _SIGN + r"?)(\d+) (\d+)/(\d+)")
 # the whole part of a mixed number in running text: an integer standing alone (after a space,
 # a line break or the start; not a time's "10:30", a ratio's "3:1", a date's "10-05" or an
 # exponent's "x^2"), spaces before the fraction (not a tab: a table's column)
-_WHOLE_BEFORE = re.compile(r"(?<!\S)[-\u2212\u2013\uff0d]?\d+ +$")
+_WHOLE_BEFORE = re.compile(r"(?<!\S)" + _SIGN + r"?\d+ +$")
 # GSM8K's answer line: "#### 42" and nothing else on it (not a heading "#### Step 2: ...")
-_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*([-\u2212\u2013\uff0d]?[\d.,/]+)"
+_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*(" + _SIGN + r"?[\d.,/]+)"
                          r"[ \t]*\.?[ \t]*$",
                          re.MULTILINE)
 _BOXED = re.compile(r"\\boxed\s*(?=\{)")
-_SPACED_THOUSANDS = re.compile(r"[-\u2212\u2013\uff0d]?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
+_SPACED_THOUSANDS = re.compile(_SIGN + r"?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
 
 
 def _fraction(m: re.Match) -> str:
@@ -149,7 +150,7 @@ def _boxed_number(boxed: str) -> str | None:
     text = re.sub(r"^\s*\+\s*(?=[\d.])", "", text)  # +5
     text = re.sub(r"^\s*(?:[A-Za-z]\w*|\\(?:text|textrm|mathrm|mbox)\{[A-Za-z ]+\})\s*=", "", text)
     text = " ".join(_DECORATION.sub(" ", text).split()).rstrip(". ")
-    text = re.sub(r"^([-\u2212\u2013\uff0d]) (?=[\d.])", r"\1", text)  # "- 5"
+    text = re.sub(r"^(" + _SIGN + r") (?=[\d.])", r"\1", text)  # "- 5"
     mixed = _MIXED.fullmatch(text)
     if mixed:
         sign, whole, num, den = mixed.groups()
