@@ -72,6 +72,13 @@ _GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*\$?[ \t]*(" + _SIGN + r"?[\d.,/]+)"
                          re.MULTILINE)
 _BOXED = re.compile(r"\\boxed\s*(?=\{)")
 _SPACED_THOUSANDS = re.compile(_SIGN + r"?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
+# in running text, spaced groups ending a string, one of them after the first starting with 0:
+# thousands ("1 000 000"; "1 500" may be two numbers and stays 500)
+_SPACED_WITH_ZERO_GROUP = re.compile(r"(?:(?<!\w)" + _SIGN + r")?(?<![\w.,])[1-9]\d{0,2}"
+                                     r"(?: \d{3})*(?: 0\d\d)(?: \d{3})*(?:\.\d+)?$")
+# a word in \text{} before a box's number that is no label ("Answer:", "x =", "... is"):
+# "\text{not } 5", "\text{about } 5" state no number
+_QUALIFIER = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm)\{([^{}\d]*[A-Za-z][^{}\d]*)\}")
 
 
 def _fraction(m: re.Match) -> str:
@@ -149,6 +156,11 @@ def _boxed_number(boxed: str) -> str | None:
     text = _unbraced(text)  # {5}, {{5}}
     text = re.sub(r"^\s*\+\s*(?=[\d.])", "", text)  # +5
     text = re.sub(r"^\s*(?:[A-Za-z]\w*|\\(?:text|textrm|mathrm|mbox)\{[A-Za-z ]+\})\s*=", "", text)
+    first_digit = re.search(r"\d", text)
+    for m in _QUALIFIER.finditer(text, 0, first_digit.start() if first_digit else len(text)):
+        words = m.group(1).strip().lower()
+        if not (words.endswith(":") or words.endswith("=") or re.search(r"\bis$", words)):
+            return None
     text = " ".join(_DECORATION.sub(" ", text).split()).rstrip(". ")
     text = re.sub(r"^(" + _SIGN + r") (?=[\d.])", r"\1", text)  # "- 5"
     mixed = _MIXED.fullmatch(text)
@@ -194,6 +206,9 @@ def _last_number(text: str) -> str | None:
             whole = _WHOLE_BEFORE.search(text, 0, m.start())
             if whole and re.fullmatch(r"\d+/\d+", m.group(0)):  # a mixed number, "1 1/2"
                 value = _boxed_number(text[whole.start():m.end()])
+            spaced = _SPACED_WITH_ZERO_GROUP.search(text, max(0, m.start() - 400), m.end())
+            if spaced:
+                value = _value(spaced.group(0).replace(" ", ""))
             return value
     return None
 

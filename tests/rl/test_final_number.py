@@ -89,6 +89,13 @@ def test_final_number_edges(text, value):
     # a digit (a range)
     ("The answer is \u20135", "-5"), ("The answer is \uff0d5", "-5"), ("pages 3\u20135", "5"),
     ("#### \u20137", "-7"),
+    # spaced thousands in running text when a group after the first starts with 0 (each once
+    # read 0, 0, 50); "1 500" may be two numbers and stays the last
+    ("The answer is 1 000 000", "1000000"), ("so 12 000.", "12000"), ("-2 050 m", "-2050"),
+    ("1 000 500", "1000500"), ("so 1 500", "500"),
+    # a word before a box's number qualifies it unless it is a label (each once read 5)
+    ("\\boxed{\\text{not } 5}", None), ("\\boxed{\\text{about }5}", None),
+    ("\\boxed{\\text{Answer: } 5}", "5"), ("\\boxed{\\text{The answer is } 5}", "5"),
 ])
 def test_final_number_boxes_units_and_signs(text, value):
     assert final_number(text) == value
