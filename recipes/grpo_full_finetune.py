@@ -307,6 +307,11 @@ class GRPORecipe(RecipeRollouts, RecipeCheckpoints):
                 metrics = self.train_step()
             except (NonFiniteGradient, NoGroupWithSignal, BatchRefused) as e:  # weights whole
                 raise RunFailed(f"step {self.step + 1}: {e}; {self._save_before(before)}") from e
+            except Exception as e:  # the user's draw() or score() raised: its traceback stays
+                if not getattr(e, "refused_on_every_rank", False):
+                    raise
+                e.add_note(f"step {self.step + 1}: {self._save_before(before)}")
+                raise
             self.step += 1
             self.history.append({"step": self.step, **metrics})
             if self.metric_logger is not None:

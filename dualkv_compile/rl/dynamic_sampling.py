@@ -76,7 +76,11 @@ def _tried(fn) -> tuple[Exception | None, object]:
 
 def _agree(refused: Exception | None) -> None:
     """Raise `refused` where it happened (BatchRefused from the checks here, or what draw()
-    or score() raised, with its traceback) and BatchRefused on the other ranks."""
+    or score() raised, with its traceback) and BatchRefused on the other ranks. What draw() or
+    score() raised is marked `refused_on_every_rank`: the recipe saves the step before on this
+    rank too (the others' save is a collective), then lets it go on with its traceback."""
+    if refused is not None and not isinstance(refused, BatchRefused):
+        refused.refused_on_every_rank = True
     ddp.raise_on_every_rank(refused, "scored_groups", error=BatchRefused)
 
 

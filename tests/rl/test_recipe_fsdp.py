@@ -261,3 +261,36 @@ def test_a_non_finite_gradient_on_two_ranks_ends_with_one_outcome(tmp_path):
     assert errors[0] == errors[1], errors  # the same loss, and the same outcome of the save
     assert re.search(r"gradient norm is (nan|inf) .*; saving the weights of step \d failed too: "
                      r".*No space left on device", errors[0]), errors[0]
+
+
+# rank 1's grader raises its own error
+GRADER_ERROR_ON_RANK_1 = '''
+import os
+if os.environ.get("RANK") == "1":
+    from dualkv_compile.rl import recipe_rollouts
+    def _broken(self, responses, answers, lengths):
+        raise KeyError("grader lost its table")
+    recipe_rollouts.RecipeRollouts._score = _broken
+'''
+
+
+def test_a_grader_error_on_one_rank_keeps_its_traceback_and_both_save_the_step_before(tmp_path):
+    # rank 0 raised BatchRefused and went into the save's collective while rank 1 left with
+    # its traceback: torchrun ended rank 0, and the step before was not saved
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(GRADER_ERROR_ON_RANK_1)
+    cmd = [TUNE, "run", "--nproc_per_node", "2", "recipes/grpo_full_finetune.py", "--config",
+           "recipes/configs/tiny_grpo.yaml", f"output_dir={tmp_path / 'run'}", "num_steps=3",
+           "save_every=0"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{hook}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    saved = "the weights of step 0 were saved in "
+    assert re.search(r"error: step 1: scored_groups: another rank refused its inputs.*" + saved,
+                     out), out[-3000:]
+    assert "KeyError: 'grader lost its table'" in out and "step 1: " + saved in out, out[-3000:]
+    assert "recipe_rollouts" in out  # rank 1's traceback, through the grader
+    path = re.search(saved + r"(\S+) ", out).group(1)
+    assert Path(path).is_file() and str(tmp_path / "run") in path, path
