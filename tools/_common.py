@@ -9,7 +9,9 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -271,12 +273,46 @@ def write_results(out: str | None, meta: dict, rows: list, table: str) -> None:
         _write_pair(out, meta, rows, table)
 
 
+def commit_of(path: str, rev: str = "HEAD", *, working_tree: bool = False) -> str | None:
+    """The full hash of `rev` in the git checkout holding `path` (None outside one); for the
+    working tree, with "+changes" when it has uncommitted changes."""
+    def git(*argv):
+        try:
+            done = subprocess.run(["git", "-C", path, *argv], capture_output=True, text=True)
+        except OSError:  # no git executable (a GPU machine's image)
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    if commit and working_tree and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    return commit
+
+
+_command = [None]  # the benchmark's command line, as bench.run was given it
+
+
+def set_command(text: str) -> None:
+    _command[0] = text
+
+
+def run_record() -> dict:
+    """The command line and the commit of the code that ran, for every result: the package's
+    git checkout, else $DUALKV_COMMIT (an installed copy on a GPU machine has no .git)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    commit = (commit_of(here, working_tree=True) or os.environ.get("DUALKV_COMMIT")
+              or "unknown (not a git checkout and DUALKV_COMMIT unset)")
+    return {"command": _command[0] or shlex.join(sys.argv), "commit": commit}
+
+
 def _write_pair(out: str, meta: dict, rows: list, table: str) -> None:
-    """OUT.json and OUT.md, written to temporary files beside their final names first and
-    renamed into place only when both were written, so a failed write (a full disk) leaves the
-    earlier pair as it was, not a new JSON beside an old table; ResultsWriteError otherwise."""
-    texts = {out + ".json": json.dumps({"meta": meta, "rows": rows}, indent=1),
-             out + ".md": table}
+    """OUT.json and OUT.md (with the command and commit, run_record), written to temporary
+    files beside their final names first and renamed into place only when both were written,
+    so a failed write (a full disk) leaves the earlier pair as it was, not a new JSON beside an
+    old table; ResultsWriteError otherwise."""
+    record = run_record()
+    texts = {out + ".json": json.dumps({"meta": record | meta, "rows": rows}, indent=1),
+             out + ".md": table + f"\n`{record['command']}` at {record['commit']}\n"}
     temporary = {path: f"{path}.tmp{os.getpid()}" for path in texts}
     try:
         for path, text in texts.items():

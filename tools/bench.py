@@ -20,9 +20,10 @@ its baselines in the same process as the optimized variant.
 from __future__ import annotations
 
 import importlib
+import shlex
 import sys
 
-from ._common import ResultsWriteError
+from ._common import ResultsWriteError, set_command
 
 __all__ = ["SUITE", "run"]
 
@@ -50,6 +51,7 @@ def run(name: str, argv: list[str], prog: str | None = None) -> None:
         raise SystemExit(2)
     module, fixed = SUITE[name]
     prog = prog or f"dualkv bench {name}"
+    set_command(f"{prog} {shlex.join(argv)}".rstrip())  # recorded in the results (run_record)
     try:
         importlib.import_module(module).main(fixed + list(argv), prog=prog)
     except ResultsWriteError as e:  # --out could not be written: one line, exit 1 as the CLI's

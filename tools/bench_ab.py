@@ -26,7 +26,7 @@ import tarfile
 import torch
 
 from dualkv_compile.attention.registry import KERNELS
-from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
+from dualkv_compile.tools._common import (OneLineParser, commit_of, add_out_argument, add_shapes_argument,
                                           environment, interleaved_medians, positive_int,
                                           save_progress, seed_int, write_results)
 
@@ -50,7 +50,7 @@ def prepare(commit: str, other_dir: str) -> None:
         why = archive.stderr.decode(errors="replace").strip().splitlines()
         raise ValueError(f"--prepare {commit}: git archive failed ({why[0] if why else ''})")
     archive = archive.stdout
-    resolved = _commit_of(found.stdout.strip(), commit) or commit
+    resolved = commit_of(found.stdout.strip(), commit) or commit
     if os.path.exists(other_dir) and not os.path.isdir(other_dir):
         raise ValueError(f"--other-dir {other_dir}: exists and is not a directory")
     target = os.path.join(other_dir, OTHER)
@@ -72,22 +72,6 @@ def prepare(commit: str, other_dir: str) -> None:
     with open(os.path.join(target, COMMIT_FILE), "w") as f:  # recorded in the results' meta
         f.write(resolved + "\n")
     print(f"{commit} ({resolved}) written to {target}")
-
-
-def _commit_of(path: str, rev: str = "HEAD", *, working_tree: bool = False) -> str | None:
-    """The full hash of `rev` in the git checkout holding `path` (None outside one); for the
-    working tree, with "+changes" when it has uncommitted changes."""
-    def git(*argv):
-        try:
-            done = subprocess.run(["git", "-C", path, *argv], capture_output=True, text=True)
-        except OSError:  # no git executable (a GPU machine's image)
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")
-    if commit and working_tree and git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+changes"
-    return commit
 
 
 def _prepared_commit(other_dir: str) -> str:
@@ -150,7 +134,7 @@ def main(argv=None, prog=None):
     sys.path.insert(0, args.other_dir)
     sides = {"this": importlib.import_module("dualkv_compile"),
              "other": importlib.import_module(OTHER)}
-    this = _commit_of(os.path.dirname(sides["this"].__file__), working_tree=True)
+    this = commit_of(os.path.dirname(sides["this"].__file__), working_tree=True)
     meta = environment() | {"heads": args.heads, "kv_heads": args.kv_heads,
                             "head_dim": args.head_dim, "rounds": args.rounds, "rep_ms": args.rep_ms,
                             "this": this or "unknown (this package is not a git checkout)",

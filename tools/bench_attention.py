@@ -184,6 +184,9 @@ def run_shape(n, p, r, hq, hkv, d, args):
         qp, kp, vp, gp = alloc(1, pb.seq_len)
     except torch.OutOfMemoryError:  # the dense baseline's tensors are alive as well
         row["ours_error"] = "OOM allocating the packed tensors next to the dense ones"
+        for backend in ("flash", "cudnn"):  # (timed below, with ours)
+            if "error" not in row.get(f"dense_{backend}", {}):
+                row[f"dense_{backend}"] = {"ms": None, "error": NOT_TIMED}
         return row
 
     def make_ours(backend, dynamic=False):
@@ -273,8 +276,9 @@ def forward_backward_split(fn, calls: int = 3) -> dict:
 
 def split_markdown(rows) -> str:
     """Forward and backward apart, each against cuDNN dense, divided by the ideal."""
-    ours = [k for k in rows[0] if (k.startswith("ours_") or k == "fa4_dense")
-            and "fwd_ms" in rows[0][k]]
+    ours = list(dict.fromkeys(k for r in rows for k, v in r.items()
+                              if (k.startswith("ours_") or k == "fa4_dense")
+                              and isinstance(v, dict) and "fwd_ms" in v))
     cols = ["N", "P", "R", "cuDNN fwd ms", "cuDNN bwd ms"]
     for o in ours:
         cols += [f"{o} fwd ms", f"{o} fwd x/ideal", f"{o} bwd ms", f"{o} bwd x/ideal"]
@@ -295,8 +299,15 @@ def split_markdown(rows) -> str:
             "speed-up over cuDNN on the same replicated batch):\n\n" + "\n".join(lines) + "\n")
 
 
+NOT_TIMED = "not timed: the packed tensors did not fit beside it"
+
+
 def fmt(x, spec):
     return "OOM/err" if x is None else format(x, spec)
+
+
+def dense_cell(x: dict) -> str:
+    return "not timed" if x.get("error") == NOT_TIMED else fmt(x.get("ms"), ".2f")
 
 
 def markdown(meta, rows) -> str:
@@ -307,21 +318,24 @@ def markdown(meta, rows) -> str:
             f"{meta['warmup_ms']} ms, {meta['rep_ms']} ms in all). Speed-up: best dense (on the "
             f"replicated batch) over ours (on the packed batch); /ideal divides by the pair "
             f"reduction.\n\n")
-    ours = [k for k in rows[0] if k.startswith("ours_")] if rows else []
+    # columns from every row: a row whose packed tensors ran out of memory has only its
+    # "ours_error" (a string), and may come first
+    ours = list(dict.fromkeys(k for r in rows for k, v in r.items()
+                              if k.startswith("ours_") and isinstance(v, dict)))
     cols = ["N", "P", "R", "packed tokens", "flash ms", "cuDNN ms"]
     for o in ours:
         cols += [f"{o} ms", f"{o} x", f"{o} x/ideal", f"{o} compile s"]
-    floor = bool(rows) and "cudnn_region_floor" in rows[0]
+    floor = any("cudnn_region_floor" in r for r in rows)
     if floor:
         cols += ["cuDNN region floor ms", "floor x/ideal"]
-    fa4 = bool(rows) and "fa4_dense" in rows[0]
+    fa4 = any("fa4_dense" in r for r in rows)
     if fa4:
         cols += ["FA4 dense ms", "FA4 dense x cuDNN"]
     cols += ["ideal", "mask build ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [str(r["N"]), str(r["P"]), str(r["R"]), str(r["tokens"]),
-                 fmt(r["dense_flash"].get("ms"), ".2f"), fmt(r["dense_cudnn"].get("ms"), ".2f")]
+                 dense_cell(r["dense_flash"]), dense_cell(r["dense_cudnn"])]
         for o in ours:
             x = r.get(o, {})
             cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_vs_best_dense"), ".2f"),
@@ -334,7 +348,7 @@ def markdown(meta, rows) -> str:
             cells += [fmt(x.get("ms"), ".2f"), fmt(x.get("speedup_vs_cudnn"), ".2f")]
         cells += [f"{r['pair_reduction']:.2f}x", f"{r['block_mask_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    split = bool(rows) and "fwd_ms" in rows[0].get("dense_cudnn", {})
+    split = any("fwd_ms" in r.get("dense_cudnn", {}) for r in rows)
     return head + "\n".join(lines) + "\n" + (split_markdown(rows) if split else "")
 
 

@@ -107,7 +107,10 @@ def main(argv=None, prog=None):
                          "e.g. max_autotune_gemm=True triton.enable_persistent_tma_matmul=True")
     ap.add_argument("--ragged", type=parse_ragged_case, nargs="+", default=[],
                     metavar="PCAP,RCAP,SEED",
-                    help="also time bench_ragged's seeded layout and its aligned twin")
+                    help="also time bench_ragged's seeded layout, a tidy one of as many "
+                         "groups and rows at its mean lengths, and that one rounded to the "
+                         "nearest whole 128-token blocks (not bench_ragged's twin, which "
+                         "rounds each length up)")
     ap.add_argument("--max-tokens", type=positive_int, default=262144,
                     help="replicated tokens per ragged micro-batch at most")
     add_out_argument(ap)

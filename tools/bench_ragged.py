@@ -68,6 +68,10 @@ def ragged_case(seed: int, p_cap: int, r_cap: int, max_tokens: int, aligned: boo
 
         up = lambda x: -(-x // BLOCK_SIZE) * BLOCK_SIZE  # noqa: E731
         prompts, responses = [up(x) for x in prompts], [[up(x) for x in rs] for rs in responses]
+        if replicated() > max_tokens:  # the twin keeps the ragged case's groups
+            print(f"note: seed {seed}, caps {p_cap},{r_cap}: its aligned twin replicates to "
+                  f"{replicated()} tokens, over --max-tokens {max_tokens} (the same groups "
+                  f"as the ragged case, each length rounded up); kept", file=sys.stderr)
     tokens, mask, p = make_batch(prompts, responses, vocab=1000, generator=g)
     return tokens, mask, p, n, prompts, responses
 

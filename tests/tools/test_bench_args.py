@@ -2,6 +2,7 @@
 any model is built or anything timed, never a traceback from the middle of the work."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -130,6 +131,26 @@ def test_bench_out_refuses_an_earlier_runs_results(tmp_path, capsys):
     assert (tmp_path / "r.md").read_text().startswith("128 x 128 tiles")
 
 
+def test_results_record_the_command_and_the_commit(tmp_path, monkeypatch):
+    # no result said which command and code produced it; outside a checkout, DUALKV_COMMIT
+    from dualkv_compile.tools import _common
+
+    out = str(tmp_path / "r")
+    for checkout, expected in ((True, None), (False, "abc123")):
+        if not checkout:
+            monkeypatch.setattr(_common, "commit_of", lambda *a, **k: None)
+            monkeypatch.setenv("DUALKV_COMMIT", "abc123")
+        assert main(_ragged_tiles(out)) == 0
+        meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+        assert meta["command"] == ("dualkv bench ragged --tiles-only --caps 256,64 --seeds 0 "
+                                   f"--out {out} --overwrite")
+        commit = _common.commit_of(os.path.dirname(_common.__file__), working_tree=True)
+        assert meta["commit"] == (expected or commit or
+                                  "unknown (not a git checkout and DUALKV_COMMIT unset)"), meta
+        assert (tmp_path / "r.md").read_text().endswith(
+            f"`{meta['command']}` at {meta['commit']}\n")
+
+
 def test_an_interrupted_benchmark_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
     """OUT.json and OUT.md are written after every row, marked incomplete until the run ends:
     an interruption (Ctrl-C, a time limit, an out-of-memory error) in a later case keeps the
@@ -203,7 +224,8 @@ def test_bench_out_writes_json_and_markdown_together(tmp_path, monkeypatch, caps
     monkeypatch.undo()
     assert main(_ragged_tiles(str(out))) == 0
     table = (tmp_path / "r.md").read_text()
-    assert table.startswith("128 x 128 tiles") and table in capsys.readouterr().out
+    printed = table[:table.rindex("\n`dualkv bench ragged")]  # the file adds run_record's line
+    assert table.startswith("128 x 128 tiles") and printed in capsys.readouterr().out
     assert '"tiles_only": true' in (tmp_path / "r.json").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
 

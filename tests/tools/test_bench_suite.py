@@ -191,3 +191,36 @@ def test_a_block_aligned_twin_rounds_each_length_up_to_a_whole_block():
     up = lambda x: -(-x // 128) * 128  # noqa: E731
     assert n2 == n and prompts2 == [up(x) for x in prompts] and any(x % 128 for x in prompts)
     assert responses2 == [[up(x) for x in rs] for rs in responses]
+
+
+def test_an_aligned_twin_over_the_token_budget_is_noted(capsys):
+    # seed 0 at (2048, 512) under 20000 tokens: the ragged case fits (15781), its twin (17792)
+    # did not, without a note
+    from dualkv_compile.tools.bench_ragged import ragged_case
+
+    ragged_case(0, 2048, 512, 20000)
+    assert capsys.readouterr().err == ""
+    ragged_case(0, 2048, 512, 17000, aligned=True)
+    assert ("note: seed 0, caps 2048,512: its aligned twin replicates to 17792 tokens, over "
+            "--max-tokens 17000") in capsys.readouterr().err
+
+
+def test_attention_table_takes_a_first_row_whose_packed_tensors_ran_out_of_memory():
+    # the columns came from the first row: its "ours_error" string was read as a variant
+    # (AttributeError, nothing written), and its dense columns read "OOM/err", never timed
+    from dualkv_compile.tools.bench_attention import NOT_TIMED, markdown
+
+    meta = {"dtype": "bfloat16", "hq": 32, "hkv": 8, "d": 128, "gpu": "H100", "torch": "2.11",
+            "triton": "3.6", "cuda": "13.0", "rounds": 5, "warmup_ms": 25, "rep_ms": 100}
+    base = {"N": 8, "P": 4096, "R": 512, "tokens": 8192, "pair_reduction": 3.0,
+            "block_mask_ms": 1.0}
+    oom = base | {"ours_error": "OOM allocating the packed tensors next to the dense ones",
+                  "dense_flash": {"ms": None, "error": NOT_TIMED},
+                  "dense_cudnn": {"ms": None, "error": NOT_TIMED}}
+    ran = base | {"dense_flash": {"ms": 9.0}, "dense_cudnn": {"ms": 6.0},
+                  "ours_auto": {"ms": 2.0, "speedup_vs_best_dense": 3.0,
+                                "speedup_over_ideal": 1.0, "first_call_s": 4.0}}
+    lines = markdown(meta, [oom, ran]).splitlines()
+    assert "ours_auto ms" in lines[2] and "ours_error" not in lines[2], lines[2]
+    assert lines[4].startswith("| 8 | 4096 | 512 | 8192 | not timed | not timed | OOM/err |")
+    assert lines[5].startswith("| 8 | 4096 | 512 | 8192 | 9.00 | 6.00 | 2.00 | 3.00 | 1.00 |")
