@@ -32,6 +32,9 @@ class IndexingRules:
                 return example(i).dim()
             return 1
 
+        tensors = [i for i in idx if isinstance(i, fx.Node) and isinstance(example(i), Tensor)]
+        if self.tok(src) is not None or any(self.tok(i) is not None for i in tensors):
+            self.no_table_of_the_length(node, src, tensors)
         consumed = sum(width(i) for i in idx if i is not None and i is not Ellipsis)
         expanded = []
         for i in idx:

@@ -17,6 +17,16 @@ _RESIZES = {"getitem", "narrow", "expand", "expand_as", "broadcast_to", "repeat"
             "repeat_interleave", "pad", "constant_pad_nd", "as_strided", "index_select",
             "new_ones", "new_zeros", "new_full", "new_empty"}
 _SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unbind"}
+# ops that keep every value of their input, in place (a prefix cut stays one through them)
+_CONVERSIONS = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous",
+                "clone", "detach"}
+
+
+def _from_the_start(idx) -> bool:
+    """Whether getitem's index only cuts axes from their start (x[:T], x[0, :T], x[..., :T])."""
+    return all(i is None or i is Ellipsis or type(i) is int or (
+        isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1))
+        for i in (idx if isinstance(idx, tuple) else (idx,)))
 
 
 class LengthRules:
@@ -50,3 +60,33 @@ class LengthRules:
                 or (op_name(node) in _RESIZES and isinstance(src, Tensor)
                     and list(out.shape).count(self.t) > list(src.shape).count(self.t))):
             self.length_axis.add(node)
+            self._note_prefix_cut(node, first)
+
+    def _note_prefix_cut(self, node, first):
+        """A tensor of length_axis whose values are those of a tensor made without T, cut from
+        its start (a position table's table[:T], narrow(0, 0, T), and casts of it): read at a
+        row's positions, all below its length, it gives what the row's own cut gives."""
+        name = op_name(node)
+        if first is None or first in self.length_axis and first not in self.prefix_cuts:
+            return
+        if first in self.prefix_cuts:
+            cut = name in _CONVERSIONS
+        elif name == "getitem":
+            cut = len(node.args) > 1 and _from_the_start(node.args[1])
+        else:
+            cut = name == "narrow" and len(node.args) > 2 and node.args[2] == 0
+        if cut:
+            self.prefix_cuts.add(node)
+
+    def no_table_of_the_length(self, node, table, indices):
+        """`table` read at `indices` that carry tokens (a gather by positions): a table of
+        length_axis whose values may depend on T (linspace(0, 1, T), arange(T) / T), unless a
+        prefix cut; and an index of length_axis meeting token data (x[..., arange(T) % D])."""
+        for i in indices:
+            self.no_length_axis(node, i)
+        if (table in self.length_axis and table not in self.prefix_cuts
+                and any(self.tok(i) is not None for i in indices)):
+            self.refuse(node, f"it reads {table.name} {tuple(example(table).shape)}, built in "
+                              f"the graph with an axis of the packed length T={self.t} (e.g. "
+                              f"linspace over the sequence), at token positions: its values "
+                              f"may depend on T, where each row has its own length")

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ._common import example
+from ._common import arg_of, example
 
 __all__ = ["ProductRules"]
 
 
 class ProductRules:
     def matmul(self, node):
-        a, b = node.args[0], node.args[1]
+        a, b = arg_of(node, 0, "input"), arg_of(node, 1, "other")
         ea, eb = example(a), example(b)
         ta, tb = self.tok(a), self.tok(b)
         out = example(node)

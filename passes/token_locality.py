@@ -25,7 +25,9 @@ import math
 
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch import Tensor
+from torch._ops import HigherOrderOperator
 
 from dualkv_compile.stats import counters
 
@@ -46,6 +48,11 @@ _POINTWISE = {
     "reciprocal", "square", "erf", "iadd", "imul", "isub", "add_", "mul_", "sub_", "div_",
     "__and__", "__or__", "__invert__", "lerp", "tanh_", "sigmoid_", "gelu_", "relu_",
     "addcmul", "requires_grad_", "itruediv", "idiv",
+    # casts, elementwise functions and constants of a token tensor's shape (not rand_like:
+    # one draw per packed element, as dropout)
+    "long", "int", "bool", "short", "byte", "log1p", "expm1", "sign", "leaky_relu",
+    "clamp_min", "clamp_max", "mod", "remainder", "fmod", "floor", "ceil", "round", "trunc",
+    "zeros_like", "ones_like", "full_like", "empty_like",
 }
 _CASTS = {"to", "type_as", "type"}
 # attributes read off a tensor: metadata (no data), or a transpose of it
@@ -248,9 +255,17 @@ class _Proof(IndexingRules, LengthRules, ProductRules):
             self.refuse(node, "the model calls flex_attention itself, over the whole packed "
                               "sequence with its own mask; only SDPA attention is rewritten to "
                               "the shared-prefix layout")
+        if isinstance(node.target, HigherOrderOperator):
+            self.refuse(node, f"it calls PyTorch's higher-order op {name} (what a local "
+                              f"autograd.Function, a tensor hook or vmap traces to), whose "
+                              f"body the proof does not read")
         if node.op == "call_function" and not _library_op(node.target) and (
                 node.target not in token_local_ops()):
-            self.refuse(node, f"it calls {getattr(node.target, '__module__', '?')}.{name}, "
+            module = getattr(node.target, '__module__', None) or '?'
+            if module.startswith("torch."):  # torch.vmap's _add_batch_dim, say
+                self.refuse(node, f"it calls {module}.{name}, a PyTorch function without a "
+                                  f"locality rule")
+            self.refuse(node, f"it calls {module}.{name}, "
                               f"not a torch op: a rule is chosen by name, which this op only "
                               f"shares (a custom op or an allow_in_graph function)")
         if "out" in node.kwargs:
@@ -330,17 +345,21 @@ class _Proof(IndexingRules, LengthRules, ProductRules):
             if node.op in ("call_method", "call_function") and op_name(node) in _SHAPE_IN_PLACE:
                 self.refuse(node, "an in-place shape change makes the recorded shapes the "
                                   "proof reads stale; use the out-of-place op")
-        self.built_from_nothing, self.length_axis = set(), set()
+        self.built_from_nothing, self.length_axis, self.prefix_cuts = set(), set(), set()
         for node in graph.nodes:
             self._inner_out = None
             if node.op in ("call_function", "call_method") and all(
                     i in self.built_from_nothing for i in node.all_input_nodes):
                 self.built_from_nothing.add(node)
-            self.note_length_axis(node)
             try:
+                self.note_length_axis(node)
                 ax = self.visit(node)
             except Refusal:
                 raise
+            except GuardOnDataDependentSymNode:
+                self.refuse(node, "its output's shape depends on the data (boolean indexing, "
+                                  "nonzero, unique): which tokens it keeps is not known when "
+                                  "the graph is compiled")
             except Exception as e:  # noqa: BLE001 - a rule met a form it does not read
                 self.refuse(node, f"its arguments do not have a form the rule reads "
                                   f"({type(e).__name__}: {e})")

@@ -385,3 +385,29 @@ def test_a_forward_override_is_refused(family):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
     with pytest.raises(ValueError, match=r"rollout engine cannot run .*overrides forward"):
         dk.rollout.RolloutEngine(model)
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+def _vmapped(x):
+    return torch.vmap(lambda r: r * 2.0, in_dims=2, out_dims=2)(x)
+
+
+@pytest.mark.parametrize("mix,message", [
+    (_Twice.apply, r"PyTorch's higher-order op autograd_function_apply \(what a local "
+                   r"autograd.Function"),
+    (_vmapped, r"torch\._functorch\.predispatch\._add_batch_dim, a PyTorch function without a "
+               r"locality rule")], ids=["autograd_function", "vmap"])
+def test_pytorch_wrappers_are_refused_as_such(mix, message):
+    # each was refused as "not a torch op ... a custom op or an allow_in_graph function"
+    model, tokens, mask, p = _mixed_model(mix)
+    with pytest.raises(Refusal, match=message):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
