@@ -36,11 +36,14 @@ def sliding_window(cfg) -> str | None:
     or None where every layer has full causal attention."""
     kinds = sorted(set(_field(cfg, "layer_types") or []))
     window = _field(cfg, "sliding_window")
-    if set(kinds) - {"full_attention"}:
-        return f"layer_types={kinds}, sliding_window={window}"
     by_layer_type = _field(cfg, "model_type") in _WINDOW_BY_LAYER_TYPE
+    if by_layer_type and isinstance(cfg, dict) and not cfg.get("use_sliding_window", False):
+        window = None  # the post-init drops the window unless use_sliding_window is set
+    if set(kinds) - {"full_attention"} and not (by_layer_type and window is None):
+        return f"layer_types={kinds}, sliding_window={window}"
     if kinds and by_layer_type:
-        return None  # every layer full: its attention reads the window only on sliding layers
+        # every layer full, or sliding layers without a window (they read it only when set)
+        return None
     if isinstance(cfg, dict) and by_layer_type:
         # config.json without layer_types: the post-init makes layers from max_window_layers
         # on sliding, where use_sliding_window is set (default False, max_window_layers 28)

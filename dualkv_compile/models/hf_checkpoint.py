@@ -101,7 +101,8 @@ def qwen3_from_hf_config(path: str | Path, **overrides) -> nn.Module:
               head_dim=cfg.get("head_dim") or 128,  # Qwen3Config's default, not hidden / heads
               max_seq_len=cfg.get("max_position_embeddings", 32768),  # Qwen3Config's default
               rope_base=_rope_theta(cfg), norm_eps=cfg.get("rms_norm_eps", 1e-6),
-              tie_word_embeddings=cfg.get("tie_word_embeddings", False))
+              tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+              pad_token_id=cfg.get("pad_token_id"))  # transformers' padding_idx
     return qwen3(**{**kw, **overrides})
 
 
@@ -132,7 +133,7 @@ def _check_dense_qwen3(cfg: dict, path: Path) -> None:
         raise ValueError(f"{path}: sliding-window attention ({window}) is not built by this "
                          f"Qwen3 builder, which has full causal attention")
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN: both are nn.SiLU
         raise ValueError(f"{path}: hidden_act={act!r}; this Qwen3 builder's MLP uses SiLU")
     if cfg.get("attention_bias", False):  # its weights would then fail to load, unnamed
         raise ValueError(f"{path}: attention_bias=true; this Qwen3 builder's q/k/v/o "

@@ -7,6 +7,7 @@ Qwen3 normalises each head's q and k *before* RoPE. Qwen3Attention keeps torchtu
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import (
@@ -57,13 +58,19 @@ class Qwen3Attention(MultiHeadAttention):
 def qwen3(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
           embed_dim: int, intermediate_dim: int, head_dim: int, max_seq_len: int = 40960,
           rope_base: float = 1_000_000.0, norm_eps: float = 1e-6,
-          tie_word_embeddings: bool = False, init_std: float = 0.02) -> TransformerDecoder:
+          tie_word_embeddings: bool = False, init_std: float = 0.02,
+          pad_token_id: int | None = None) -> TransformerDecoder:
     """A Qwen3 decoder; parameter names map one to one onto transformers' Qwen3ForCausalLM
     (see dualkv_compile.models.hf_checkpoint). Random weights are drawn as transformers draws
     them (`initializer_range`): projections and embeddings N(0, init_std), norms 1. PyTorch's
     default N(0, 1) embedding would dominate the residual stream, and with tied embeddings a
     random model would then repeat its input token almost surely (every sample of a group
-    alike, so GRPO would see no reward signal)."""
+    alike, so GRPO would see no reward signal). `pad_token_id` is the embedding's padding_idx,
+    as transformers builds it: that row starts at 0 and no lookup of it gets a gradient."""
+    if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(
+            pad_token_id, int) or not 0 <= pad_token_id < vocab_size):
+        raise ValueError(f"pad_token_id={pad_token_id!r} must be an id in [0, {vocab_size}) "
+                         f"(vocab_size) or None")
     rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     layers = nn.ModuleList()
     for _ in range(num_layers):
@@ -82,7 +89,7 @@ def qwen3(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int
         layers.append(TransformerSelfAttentionLayer(
             attn=attn, mlp=mlp, sa_norm=RMSNorm(embed_dim, eps=norm_eps),
             mlp_norm=RMSNorm(embed_dim, eps=norm_eps)))
-    embeddings = nn.Embedding(vocab_size, embed_dim)
+    embeddings = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_token_id)
     output = TiedLinear(embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size,
                                                                           bias=False)
     model = TransformerDecoder(tok_embeddings=embeddings, layers=layers, max_seq_len=max_seq_len,
@@ -91,6 +98,9 @@ def qwen3(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=init_std)
+    if pad_token_id is not None:
+        with torch.no_grad():
+            embeddings.weight[pad_token_id].zero_()
     return model
 
 

@@ -8,6 +8,8 @@ and the rollout engine both take transformers causal LMs).
 
 from __future__ import annotations
 
+import torch
+
 from .presets import preset
 
 __all__ = ["QWEN3_30B_A3B", "qwen3_moe", "qwen3_moe_from_hf_config", "qwen3_moe_tiny"]
@@ -75,7 +77,10 @@ def qwen3_moe_from_hf_config(path: str, *, grouped_experts: bool = False, **over
                          "supported: optimize() runs the decoder body only and computes no "
                          "router loss; set it to False in config.json or the model overrides")
     cfg._experts_implementation = "batched_mm"
-    model = tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    # in float32 as the dense builder, not config.json's dtype: the checkpointer's weights are
+    # loaded into it before the recipe casts, and a bf16 build rounded fp32 weights for good
+    model = tf.Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa",
+                                                dtype=torch.float32)
     if grouped_experts:
         from .moe_experts import use_grouped_experts
 

@@ -6,6 +6,8 @@ Dispatches the proof does not follow, rows grouped so that they mix tokens, and 
 router loss are refused by name; the rollout engine and the recipe run the MoE model. The
 grouped expert op (models/moe_experts.py) is tested in test_moe_grouped_experts.py."""
 
+import json
+
 import pytest
 import torch
 
@@ -47,6 +49,19 @@ def test_the_auxiliary_router_loss_is_refused(tmp_path):
         with pytest.raises(ValueError, match="output_router_logits=True .* is not supported"):
             qwen3_moe_from_hf_config(str(path), **overrides)
     assert not qwen3_moe_from_hf_config(str(tmp_path / "off")).config.output_router_logits
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_the_moe_builder_builds_in_float32_whatever_config_json_says(tmp_path, dtype):
+    # it built in config.json's dtype: fp32 weights loaded into a bf16 build were rounded for
+    # good (1.9e-4) before the recipe's cast, where the dense builder kept them
+    from dualkv_compile.models import qwen3_moe_from_hf_config
+
+    moe().config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"dtype": dtype}))
+    model = qwen3_moe_from_hf_config(str(tmp_path))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("fallback", ["error", "dense"])

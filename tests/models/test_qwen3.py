@@ -117,7 +117,8 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
     ({"use_sliding_window": True, "sliding_window": 4, "layer_types": None,
       "max_window_layers": 1},
      "sliding-window attention"),
-    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window attention"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
+      "sliding_window": 4}, "sliding-window attention"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     # built without biases, then a KeyError on their weights; dropout dropped silently; a
     # bare KeyError
@@ -167,3 +168,39 @@ def test_a_context_config_json_leaves_out_is_transformers_default(tmp_path):
     del cfg["max_position_embeddings"]
     path.write_text(json.dumps(cfg))
     assert qwen3_from_hf_config(tmp_path).max_seq_len == 32768
+
+
+def test_pad_token_id_is_the_embeddings_padding_idx_as_in_transformers(tmp_path):
+    # it was ignored: the pad row's embedding gradient was 5.3e4 where transformers' is 0
+    torch.manual_seed(0)
+    cfg = tf.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                         pad_token_id=5, tie_word_embeddings=False)
+    hf = tf.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").double()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours = qwen3_from_hf_config(tmp_path)
+    load_hf_checkpoint(ours, tmp_path)
+    ours = ours.double()
+    tokens, pos = torch.tensor([[1, 5, 7, 5, 9, 11, 5, 3]]), torch.arange(8)[None]
+    hf(input_ids=tokens, position_ids=pos).logits.pow(2).sum().backward()
+    ours(tokens, input_pos=pos).pow(2).sum().backward()
+    theirs, got = hf.model.embed_tokens.weight.grad, ours.tok_embeddings.weight.grad
+    assert got[5].abs().max() == 0 and theirs[5].abs().max() == 0
+    assert rel_err(got, theirs) < 1e-5 and got[7].abs().max() > 0
+    with pytest.raises(ValueError, match=r"pad_token_id=97 must be an id in \[0, 97\)"):
+        qwen3_from_hf_config(tmp_path, pad_token_id=97)
+
+
+@pytest.mark.parametrize("changes", [
+    # transformers runs these with full attention: sliding layers without a window (the
+    # post-init drops it unless use_sliding_window); each was refused as a window of None
+    {"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": False},
+    {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": None},
+    {"hidden_act": "swish"}])  # transformers' ACT2FN["swish"] is nn.SiLU
+def test_config_fields_transformers_reads_as_this_builder_builds_are_taken(tmp_path, changes):
+    hf_model(tied=False).config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    hf = tf.Qwen3ForCausalLM._from_config(tf.Qwen3Config.from_pretrained(tmp_path))
+    assert all(layer.self_attn.sliding_window is None for layer in hf.model.layers)
+    assert len(qwen3_from_hf_config(tmp_path).layers) == 2
