@@ -41,6 +41,20 @@ def token_vocabulary(embedding_rows: int, head_rows: int, *, sampling: bool = Fa
     return min(embedding_rows, head_rows)
 
 
+def embedding_rows(embedding: nn.Module) -> int:
+    """The rows of a model's input embedding: its num_embeddings, or that of the one
+    nn.Embedding inside a module wrapping it (a scaled or hooked embedding)."""
+    rows = getattr(embedding, "num_embeddings", None)
+    if isinstance(rows, int):
+        return rows
+    inner = [m for m in embedding.modules() if isinstance(m, nn.Embedding)]
+    if len(inner) != 1:
+        raise ValueError(f"the input embedding {type(embedding).__name__} has no "
+                         f"num_embeddings and holds {len(inner)} nn.Embedding modules: the "
+                         f"ids it takes cannot be read; give it a num_embeddings attribute")
+    return inner[0].num_embeddings
+
+
 def _embed_without_require_grads_hook(model, tokens):
     """The input embeddings of `tokens` with the embedding's forward hooks applied except
     transformers' require-grads hook, or None where that hook is absent or the hooks are not
@@ -123,7 +137,7 @@ class _Torchtune:
         return model.output(hidden).float()
 
     def vocab_size(self, model) -> int:
-        return token_vocabulary(model.tok_embeddings.num_embeddings,
+        return token_vocabulary(embedding_rows(model.tok_embeddings),
                                 self.lm_head_weight(model).shape[0])
 
     def lm_head_weight(self, model) -> Tensor:
@@ -231,7 +245,7 @@ class _HuggingFace:
         return model.get_output_embeddings()(hidden)
 
     def vocab_size(self, model) -> int:
-        return token_vocabulary(model.get_input_embeddings().num_embeddings,
+        return token_vocabulary(embedding_rows(model.get_input_embeddings()),
                                 self.lm_head_weight(model).shape[0])
 
     def lm_head_weight(self, model) -> Tensor:

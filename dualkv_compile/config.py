@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass, field
 
 from .arguments import as_index
@@ -98,8 +99,9 @@ class DualKVConfig:
                              f"integer")
         object.__setattr__(self, "logprob_chunk_size", chunk)
         budget = self.activation_memory_budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
             raise ValueError(f"activation_memory_budget={budget!r} must be in (0, 1]")
+        object.__setattr__(self, "activation_memory_budget", float(budget))  # numpy's too
         if not isinstance(self.kernel_options, dict):
             raise ValueError(f"kernel_options={self.kernel_options!r} must be a dict")
         validate_kernel_options(self.kernel_options)

@@ -98,7 +98,7 @@ def padding_from_torchtune_mask(adapter, mask: Tensor, positions: Tensor | None)
                          "tell whether the last column is padding (or pass padding_mask=)")
     padding = mask[:, -1, :].clone()
     if mask.shape[1] > 1:
-        padding[:, -1] = positions[:, -1] > 0
+        padding[:, -1] = positions[..., -1] > 0  # input_pos [B, L], or [L] for every row
         lone = (~padding[:, :-1].any(1)).nonzero()[:, 0].tolist()
         if lone:  # its position is 0 whether it is a token or padding
             raise ValueError(f"rows {lone} of torchtune's mask have no token before the last "

@@ -243,7 +243,10 @@ def rewrite_attention(gm: fx.GraphModule, template: tuple, kernel_options: dict,
     tokens, positions, tables = anchor.args  # layout.inputs.layout_tables
     sdpa_nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
     if not sdpa_nodes:
-        raise Refusal("no scaled_dot_product_attention in the traced model; nothing to share")
+        raise Refusal("no scaled_dot_product_attention in the traced model: its attention is "
+                      "written by hand (matmul and softmax, as Gemma2's softcapped attention) "
+                      "or calls another kernel; only SDPA attention is rewritten to the "
+                      "shared-prefix layout (transformers: attn_implementation='sdpa')")
     if not attention_kernel(attention_backend).flex:
         segment_ids, prefix_segment_ids = tables
         _to_regions(graph, sdpa_nodes, positions, segment_ids, prefix_segment_ids,

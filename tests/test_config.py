@@ -11,6 +11,17 @@ def test_json_round_trip():
     assert DualKVConfig.from_json(DualKVConfig().to_json()) == DualKVConfig()
 
 
+def test_numpy_numbers_are_taken_as_floats():
+    # np.float32 was refused where np.float64 (a float subclass) was taken
+    import json
+
+    import numpy as np
+
+    for budget in (np.float32(0.5), np.float64(0.5), 1):
+        cfg = DualKVConfig(activation_memory_budget=budget)
+        assert type(cfg.activation_memory_budget) is float and json.loads(cfg.to_json())
+
+
 def test_frozen():
     with pytest.raises(Exception, match="cannot assign"):
         DualKVConfig().pad_to = 256

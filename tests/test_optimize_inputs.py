@@ -247,6 +247,10 @@ def test_torchtune_mask_and_input_pos_are_accepted():
     full = tokens[:, :4]
     assert torch.equal(wrapper(full, input_pos=torch.arange(4), prompt_len=2),
                        wrapper(full, prompt_len=2))
+    # and beside torchtune's mask (an IndexError)
+    full_mask = get_causal_mask_from_padding_mask(torch.ones_like(full, dtype=torch.bool))
+    assert torch.equal(wrapper(full, mask=full_mask, input_pos=torch.arange(4), prompt_len=2),
+                       wrapper(full, prompt_len=2))
     # a row whose one token is in the last column has the mask and positions of padding: it
     # was refused as having no prompt token; the error now says why and what to pass
     lone = torch.zeros_like(mask[:1])
@@ -359,3 +363,45 @@ def test_a_config_asking_for_hidden_states_runs_exact():
     model.config.output_hidden_states = False
     theirs = row_by_row_response_logprobs(model, tokens, mask, p)
     assert (ours - theirs).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("family", ["llama3_2", "hf_llama"])
+def test_an_embedding_inside_a_wrapper_module_is_read_and_exact(family):
+    # optimize() took the model, then every call raised AttributeError: no num_embeddings
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(ids) * 2.0
+
+    model = same_dtype_numerics(tiny_model(family)).double()
+    if family == "hf_llama":
+        model.model.embed_tokens = Scaled(model.model.embed_tokens)
+    else:
+        model.tok_embeddings = Scaled(model.tok_embeddings)
+    tokens, mask, p = make_batch([9, 5], [[6, 1], [3, 3]], vocab=99,
+                                 generator=torch.Generator().manual_seed(1))
+    ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    assert (ours - theirs).abs().max() < 1e-10
+    from dualkv_compile.adapters import embedding_rows
+
+    with pytest.raises(ValueError, match=r"Sequential has no num_embeddings and holds 2"):
+        embedding_rows(torch.nn.Sequential(torch.nn.Embedding(3, 2), torch.nn.Embedding(3, 2)))
+
+
+def test_a_model_whose_attention_is_written_by_hand_is_refused_as_such():
+    # the refusal read "no scaled_dot_product_attention ...; nothing to share", as if the model
+    # had no attention
+    from torchtune.models.gemma2._component_builders import gemma2
+
+    torch.manual_seed(0)
+    model = gemma2(vocab_size=101, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32,
+                   intermediate_dim=64, max_seq_len=512, head_dim=8).double()
+    tokens, mask, p = make_batch([9, 5], [[6, 1], [3, 3]], vocab=99,
+                                 generator=torch.Generator().manual_seed(1))
+    with pytest.raises(dk.Refusal, match=r"its attention is written by hand \(matmul and "
+                                         r"softmax, as Gemma2's"):
+        dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)

@@ -23,7 +23,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from ..adapters import hf_decoder, token_vocabulary, torchtune_head_weight
+from ..adapters import embedding_rows, hf_decoder, token_vocabulary, torchtune_head_weight
 from ..hf_config import rope_types, sliding_window
 from ..fsdp import foreign_hooks, hook_names
 from ..module_checks import check_library_forward
@@ -174,7 +174,7 @@ class _TorchtuneDecoder(_Modules):
     def vocab_size(self) -> int:
         """Read on each call: the model's embedding may be resized after the engine is built."""
         head = torchtune_head_weight(self.model)
-        return token_vocabulary(self.model.tok_embeddings.num_embeddings, head.shape[0],
+        return token_vocabulary(embedding_rows(self.model.tok_embeddings), head.shape[0],
                                 sampling=True)
 
     def embed(self, tokens: Tensor) -> Tensor:
@@ -295,7 +295,7 @@ class _HFDecoder(_Modules):
     @property
     def vocab_size(self) -> int:
         """Read on each call (resize_token_embeddings may change it)."""
-        return token_vocabulary(self.base.embed_tokens.num_embeddings,
+        return token_vocabulary(embedding_rows(self.base.embed_tokens),
                                 self.model.lm_head.weight.shape[0], sampling=True)
 
     def embed(self, tokens: Tensor) -> Tensor:
