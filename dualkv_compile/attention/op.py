@@ -63,6 +63,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, packed: PackedBatch) -> None:
         )
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"head dims differ: q has D={q.shape[3]}, k/v have D={k.shape[3]}")
+    if 0 in (q.shape[1], k.shape[1], q.shape[3]):
+        raise ValueError(f"Hq={q.shape[1]}, Hkv={k.shape[1]} and D={q.shape[3]} must be "
+                         f"positive")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"Hkv={k.shape[1]} must divide Hq={q.shape[1]} (GQA)")
     if not (q.device == k.device == v.device):

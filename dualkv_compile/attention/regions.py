@@ -114,12 +114,13 @@ def _use_math(q: Tensor, k: Tensor) -> bool:
     return q.shape[2] * k.shape[2] <= MATH_MAX_PAIRS or min(q.shape[2], k.shape[2]) == 1
 
 
-def _wide(x: Tensor) -> Tensor:  # fp32, or wider if x is
-    return x.to(accumulation_dtype(x.dtype))
+def _wide_dtype(*xs: Tensor) -> torch.dtype:
+    """fp32, or wider if an input is (one dtype for mixed inputs: fp64 q with fp32 k, v)."""
+    return accumulation_dtype(_common_dtype(*xs))
 
 
 def _exact(fn):
-    """Run the math in the wide dtype it casts to (_wide), autocast or not: under autocast its
+    """Run the math in the wide dtype it casts to (_wide_dtype), autocast or not: under autocast its
     matmuls ran in bf16, and the forward's lse then did not match the scores the backward
     (usually outside autocast) recomputes in fp32 (flash_regions' CPU dv 16x the plain
     model's error)."""
@@ -130,9 +131,9 @@ def _exact(fn):
     return run
 
 
-def _math_scores(q, k, causal, scale):
+def _math_scores(q, k, causal, scale, wide):
     rep = q.shape[1] // k.shape[1]
-    s = _wide(q) @ _wide(k).repeat_interleave(rep, 1).transpose(-1, -2) * scale
+    s = q.to(wide) @ k.to(wide).repeat_interleave(rep, 1).transpose(-1, -2) * scale
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -141,9 +142,10 @@ def _math_scores(q, k, causal, scale):
 
 @_exact
 def _math_forward(q, k, v, causal, scale):
-    s, rep = _math_scores(q, k, causal, scale)
+    wide = _wide_dtype(q, k, v)
+    s, rep = _math_scores(q, k, causal, scale, wide)
     lse = s.logsumexp(-1)
-    out = (s - lse.unsqueeze(-1)).exp() @ _wide(v).repeat_interleave(rep, 1)
+    out = (s - lse.unsqueeze(-1)).exp() @ v.to(wide).repeat_interleave(rep, 1)
     return out.to(q.dtype), lse, None
 
 
@@ -154,14 +156,15 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, aux):
     and the rest of the row, dO * (out - this region's part of out), which is exactly 0 for a
     row that sees this region only (so a row that sees one key gets dq = 0 exactly, as the
     replicated reference does)."""
-    s, rep = _math_scores(q, k, causal, scale)
-    p = (s - _wide(lse).unsqueeze(-1)).exp()
-    do, qf = _wide(dout), _wide(q)
-    vf = _wide(v).repeat_interleave(rep, 1)
+    wide = _wide_dtype(q, k, v)
+    s, rep = _math_scores(q, k, causal, scale, wide)
+    p = (s - lse.to(wide).unsqueeze(-1)).exp()
+    do, qf = dout.to(wide), q.to(wide)
+    vf = v.to(wide).repeat_interleave(rep, 1)
     dp = do @ vf.transpose(-1, -2)
-    rest = (do * (_wide(out) - p @ vf)).sum(-1, keepdim=True)
+    rest = (do * (out.to(wide) - p @ vf)).sum(-1, keepdim=True)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True) - rest)
-    dq = ds @ _wide(k).repeat_interleave(rep, 1) * scale
+    dq = ds @ k.to(wide).repeat_interleave(rep, 1) * scale
 
     def per_kv_head(x):  # [B, Hq, L, D] -> [B, Hkv, L, D], summing the GQA group
         return x.unflatten(1, (k.shape[1], rep)).sum(2)

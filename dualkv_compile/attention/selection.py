@@ -102,6 +102,7 @@ def resolve_attention_backend(requested: str, device: torch.device,
     """'FLASH' or 'TRITON' for the flex kernel `requested` on the CUDA `device`, whose
     attention has head dim `head_dim` and dtype `dtype`; "flash" raises where FLASH cannot run,
     "auto" falls back to Triton (logged once per device, head dim and dtype)."""
+    device = torch.device(device)  # "cuda:0" as well
     if not attention_kernel(requested).flex:
         raise ValueError(f"attention_backend={requested!r} is not one of the flex kernels "
                          f"{FLEX_KERNELS}")
@@ -115,6 +116,7 @@ def resolve_attention_backend(requested: str, device: torch.device,
 def describe_attention_backend(device: torch.device, head_dim: int | None = None,
                                dtype: torch.dtype | None = None, requested: str = "auto") -> str:
     """One line for the CLI: which kernel `requested` gives on `device`, and why."""
+    device = torch.device(device)
     kernel = attention_kernel(requested)
     if device.type != "cuda":
         if kernel.cpu_form is None:

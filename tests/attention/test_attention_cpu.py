@@ -122,6 +122,14 @@ def test_shape_errors_name_the_shapes():
         shared_prefix_attention(q, q[..., :4], q[..., :4], pb)
     with pytest.raises(TypeError, match="PackedBatch"):
         shared_prefix_attention(q, q, q, tokens)
+    # each a bare ZeroDivisionError
+    with pytest.raises(ValueError, match=r"Hq=4, Hkv=0 and D=8 must be positive"):
+        shared_prefix_attention(q, q[:, :0], q[:, :0], pb)
+    with pytest.raises(ValueError, match=r"Hq=4, Hkv=4 and D=0 must be positive"):
+        shared_prefix_attention(q[..., :0], q[..., :0], q[..., :0], pb, attention_backend="regions")
+    from dualkv_compile.attention.selection import describe_attention_backend
+
+    assert describe_attention_backend("cpu").startswith("CPU reference on cpu")
     with pytest.raises(ValueError, match="CUDA kernel only"):
         shared_prefix_attention(q, q, q, pb, kernel_options={"BLOCK_M": 64})
     with pytest.raises(ValueError, match="does not use it"):
@@ -328,6 +336,21 @@ def test_flash_regions_refuses_integer_inputs():
     q = torch.randint(-3, 4, (1, 2, pb.seq_len, 4))
     with pytest.raises(ValueError, match="needs floating q, k and v .*got torch.int64"):
         shared_prefix_attention(q, q, q, pb, attention_backend="flash_regions")
+
+
+@pytest.mark.parametrize("backend", ["regions", "flash_regions"])
+def test_fp64_q_with_fp32_k_and_v_runs_in_fp64(backend):
+    # flash_regions' explicit math met it as "expected scalar type Double but found Float"
+    g = torch.Generator().manual_seed(15)
+    tokens, mask, p = make_batch([20, 6], [[9, 9, 9], [3, 12]], generator=g)
+    pb = pack(tokens, prompt_len=p, padding_mask=mask)
+    q, k, v, cot = random_qkv(pb, 4, 2, 8, dtype=torch.float64, device="cpu", generator=g)
+    ours = packed_forward_backward(shared_prefix_attention, q, k.float(), v.float(), pb, cot,
+                                   attention_backend=backend)
+    ref = replicated_forward_backward(q, k.float().double(), v.float().double(), pb, mask, cot)
+    assert [x.dtype for x in ours] == [torch.float64, torch.float64, torch.float32, torch.float32]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert rel_err(a.double(), b) < 1e-6, (name, rel_err(a.double(), b))
 
 
 @pytest.mark.parametrize("backend", ["regions", "flash_regions"])
