@@ -67,12 +67,17 @@ def _embed_without_require_grads_hook(model, tokens):
     embed = model.get_input_embeddings()
     hooks = list(embed._forward_hooks.values())
     if (all(getattr(h, "__name__", None) != REQUIRE_GRADS_HOOK for h in hooks)
-            or embed._forward_pre_hooks or embed._forward_hooks_with_kwargs):
+            or embed._forward_pre_hooks_with_kwargs or embed._forward_hooks_with_kwargs):
         return None
-    out = embed.forward(tokens)
+    args = (tokens,)
+    for pre_hook in embed._forward_pre_hooks.values():  # as nn.Module's call applies them
+        result = pre_hook(embed, args)
+        if result is not None:
+            args = result if isinstance(result, tuple) else (result,)
+    out = embed.forward(*args)
     for hook in hooks:
         if getattr(hook, "__name__", None) != REQUIRE_GRADS_HOOK:
-            result = hook(embed, (tokens,), out)
+            result = hook(embed, args, out)
             out = out if result is None else result
     return out
 

@@ -405,3 +405,26 @@ def test_a_model_whose_attention_is_written_by_hand_is_refused_as_such():
     with pytest.raises(dk.Refusal, match=r"its attention is written by hand \(matmul and "
                                          r"softmax, as Gemma2's"):
         dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+
+
+def test_an_embedding_pre_hook_beside_the_require_grads_hook_is_applied_and_exact():
+    # the pre-hook made the embedding run inside the graph with transformers' require-grads
+    # hook, which Dynamo refused ("returning intermediate with requires_grad_()")
+    model = same_dtype_numerics(tiny_model("hf_llama")).double()
+    model.get_input_embeddings().requires_grad_(False)  # frozen, as under PEFT
+    model.enable_input_require_grads()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: (args[0] % 50,))
+    model.train()
+    tokens, mask, p = make_batch([9, 5], [[6, 1], [3, 3]], vocab=99,
+                                 generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(tokens.shape[0], tokens.shape[1] - p, dtype=torch.float64)
+    ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
+    (ours * weights).sum().backward()
+    trained = [q for q in model.parameters() if q.requires_grad]
+    got = [q.grad.clone() for q in trained]
+    model.zero_grad()
+    theirs = row_by_row_response_logprobs(model, tokens, mask, p)
+    (theirs * weights).sum().backward()
+    assert (ours - theirs).abs().max() < 1e-10
+    assert all((a - q.grad).abs().max() < 1e-10 for a, q in zip(got, trained))
