@@ -240,6 +240,22 @@ def refusal_case():
         said_by = [None] * dist.get_world_size()
         dist.all_gather_object(said_by, said)
         result[name] = said_by
+    # micro_batched_logprobs (old and reference logprobs) alike: rank 0 waited in the
+    # micro-batch count's all-reduce while rank 1 refused its tokens
+    from dualkv_compile.rl import micro_batched_logprobs
+
+    model = same_dtype_numerics(tiny_model("qwen2_5")).double()
+    fully_shard(model)
+    try:
+        with torch.no_grad():
+            micro_batched_logprobs(dk.optimize(model), oov if rank else tokens, mask, p,
+                                   group_size=2, temperature=1.0)
+        said = "accepted"
+    except ValueError as e:
+        said = str(e)
+    said_by = [None] * dist.get_world_size()
+    dist.all_gather_object(said_by, said)
+    result["logprobs_oov_one_rank"] = said_by
     return result
 
 

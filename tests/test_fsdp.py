@@ -87,6 +87,9 @@ def test_a_refusal_on_one_rank_stops_every_rank(cases):
     assert rank0.startswith("optimizer_step: another rank refused its inputs"), rank0
     assert "outside the model's vocabulary" in rank1, rank1
     assert all("needs an FSDP2-sharded model" in said for said in case["unsharded"]), case
+    rank0, rank1 = case["logprobs_oov_one_rank"]
+    assert rank0.startswith("micro_batched_logprobs: another rank refused its inputs"), rank0
+    assert "outside the model's vocabulary" in rank1, rank1
 
 
 _LAYOUTS = """

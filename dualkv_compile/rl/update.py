@@ -172,19 +172,34 @@ def micro_batched_logprobs(policy, tokens: Tensor, mask: Tensor, prompt_len: int
     forwards (FSDP2's collectives), repeating its first micro-batch where it has fewer; tokens
     must have rows (a rank with nothing to train on passes another rank's, as for
     optimizer_step). Call it under torch.no_grad() for old and reference logprobs."""
-    mask = as_padding_mask(mask)
-    updates = integer_arg("updates", updates, 1)
-    group_size = integer_arg("group_size", group_size, 1)
-    if tokens.shape[0] % group_size:
-        raise ValueError(f"tokens has {tokens.shape[0]} rows, not whole groups of "
-                         f"group_size={group_size}")
+    try:  # every input check and plan before the first collective, agreed across ranks
+        policy._check_tokens(tokens)
+        if tokens.shape[0] == 0:
+            raise ValueError("tokens has no rows: a rank with nothing to score passes rows of "
+                             "a group (e.g. another rank's first), so that it runs the same "
+                             "forwards and collectives")
+        mask = as_padding_mask(mask)
+        if mask.shape != tokens.shape:
+            raise ValueError(f"mask must have the tokens' shape {tuple(tokens.shape)}, got "
+                             f"{tuple(mask.shape)}")
+        updates = integer_arg("updates", updates, 1)
+        group_size = integer_arg("group_size", group_size, 1)
+        if tokens.shape[0] % group_size:
+            raise ValueError(f"tokens has {tokens.shape[0]} rows, not whole groups of "
+                             f"group_size={group_size}")
+        plans = []
+        for mini, real_mini in mini_batches(tokens.shape[0] // group_size, group_size, updates):
+            # counted by the update's plan of the same rows (counters["groups_split"])
+            plans.append((mini, real_mini, micro_batch_rows(
+                mask[mini], prompt_len=prompt_len, group_size=group_size,
+                groups=micro_batch_groups, max_tokens=max_tokens, count=False)))
+        refused = None
+    except Exception as e:  # noqa: BLE001 - agreed across ranks below, then raised as it was
+        refused = e
+    ddp.raise_on_every_rank(refused, "micro_batched_logprobs")
     parts = []
-    for mini, real_mini in mini_batches(tokens.shape[0] // group_size, group_size, updates):
+    for mini, real_mini, batches in plans:
         mini_tokens, mini_mask = tokens[mini], mask[mini]
-        # counted by the update's plan of the same rows (counters["groups_split"])
-        batches = micro_batch_rows(mini_mask, prompt_len=prompt_len, group_size=group_size,
-                                   groups=micro_batch_groups, max_tokens=max_tokens,
-                                   count=False)
         out = None
         for rows, real in _every_rank_batches(batches):
             lp = policy.response_logprobs(mini_tokens[rows], prompt_len=prompt_len,
