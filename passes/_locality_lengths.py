@@ -8,14 +8,17 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import Tensor
 
-from ._common import example, op_name
+from ._common import arg_of, example, may_write, op_name, written
 
 __all__ = ["LengthRules"]
 
 # ops that cut or widen a tensor's axes (to the packed length T: note_length_axis)
 _RESIZES = {"getitem", "narrow", "expand", "expand_as", "broadcast_to", "repeat", "tile",
             "repeat_interleave", "pad", "constant_pad_nd", "as_strided", "index_select",
-            "new_ones", "new_zeros", "new_full", "new_empty"}
+            "new_ones", "new_zeros", "new_full", "new_empty", "view", "reshape", "unflatten"}
+# ops whose output is a view of their first argument (a write into it writes into that)
+_VIEW_OF_FIRST = {"getitem", "narrow", "view", "reshape", "unflatten", "expand", "select",
+                  "slice", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "t"}
 _SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unbind"}
 # ops that keep every value of their input, in place (a prefix cut stays one through them)
 _CONVERSIONS = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous",
@@ -37,7 +40,8 @@ class LengthRules:
         if a in self.length_axis:
             self.refuse(node, f"operand {a.name} {tuple(example(a).shape)} is built in the "
                               f"graph with an axis of the packed length T={self.t} (e.g. "
-                              f"arange over the sequence); each row has its own length")
+                              f"arange over the sequence), or computed from one (a sum over "
+                              f"it); each row has its own length")
 
     def note_length_axis(self, node):
         """Follow the tensors without tokens that have an axis of the packed length T made from
@@ -47,10 +51,17 @@ class LengthRules:
         alone, which may have that size by chance: RoPE's inv_freq at head dim 256, a LoRA
         product, DoRA's scale."""
         out = example(node)
-        if (self.t <= 1 or node.op not in ("call_function", "call_method")
-                or not isinstance(out, Tensor) or self.t not in out.shape):
+        if self.t <= 1 or node.op not in ("call_function", "call_method"):
             return
         inputs = node.all_input_nodes
+        if may_write(node):  # a write of such a tensor makes its target (and base) one too
+            self._note_write(node, inputs)
+        if not isinstance(out, Tensor):
+            return
+        if self.t not in out.shape:  # a value computed from one (arange(T).mean(),
+            if any(i in self.length_axis for i in inputs):  # linspace(0, 1, T)[5]) depends on T
+                self.length_axis.add(node)
+            return
         first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if first is not None and op_name(first) in _SPLITS:  # a piece of split(...): its input
             first = first.args[0] if first.args and isinstance(first.args[0], fx.Node) else None
@@ -62,19 +73,40 @@ class LengthRules:
             self.length_axis.add(node)
             self._note_prefix_cut(node, first)
 
-    def _note_prefix_cut(self, node, first):
-        """A tensor of length_axis whose values are those of a tensor made without T, cut from
-        its start (a position table's table[:T], narrow(0, 0, T), and casts of it): read at a
-        row's positions, all below its length, it gives what the row's own cut gives."""
-        name = op_name(node)
-        if first is None or first in self.length_axis and first not in self.prefix_cuts:
+    def _note_write(self, node, inputs):
+        """An in-place op or setitem whose written value is of length_axis (tab[:T] =
+        linspace(0, 1, T), tab.mul_(...)): its target, and the tensors it is a view of, then
+        hold values made from T."""
+        targets = [t for t in written(node) if isinstance(t, fx.Node)]
+        if not any(i in self.length_axis for i in inputs if i not in targets):
             return
-        if first in self.prefix_cuts:
-            cut = name in _CONVERSIONS
+        for target in targets:
+            while isinstance(target, fx.Node):
+                self.length_axis.add(target)
+                self.prefix_cuts.discard(target)
+                first = target.args[0] if target.args else None
+                target = first if op_name(target) in _VIEW_OF_FIRST else None
+
+    def _note_prefix_cut(self, node, first):
+        """A tensor of length_axis whose values are those of a table held by the model (a
+        buffer, a weight, an input; not one built in the graph, whose values may follow from
+        T: linspace(0, 1, 2T)), cut from its start (table[:T], narrow(0, 0, T), the first piece
+        of split(T), and casts of those): read at a row's positions, all below its length, it
+        gives what the row's own cut gives. `first`: node's input (a split piece's: the split's)."""
+        name = op_name(node)
+        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if src is not None and src in self.prefix_cuts:
+            if name in _CONVERSIONS:
+                self.prefix_cuts.add(node)
+            return
+        if first is None or first in self.length_axis or first in self.built_from_nothing:
+            return
+        if name == "getitem" and op_name(src) in _SPLITS:  # a piece of split(...): the first
+            cut = len(node.args) > 1 and type(node.args[1]) is int and node.args[1] == 0
         elif name == "getitem":
             cut = len(node.args) > 1 and _from_the_start(node.args[1])
         else:
-            cut = name == "narrow" and len(node.args) > 2 and node.args[2] == 0
+            cut = name == "narrow" and arg_of(node, 2, "start") == 0
         if cut:
             self.prefix_cuts.add(node)
 

@@ -304,6 +304,7 @@ class _Proof(IndexingRules, LengthRules, ProductRules):
             weight = arg_of(node, 1 if functional else 0, "weight")
             if self.tok(weight) is not None:
                 self.refuse(node, "the embedding table carries tokens")
+            self.no_table_of_the_length(node, weight, [ids])  # a table made from T, read by ids
             self.embedding_options(node, functional)
             return self.tok(ids)
         if node.target in token_local_ops():
