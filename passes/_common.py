@@ -8,6 +8,7 @@ import inspect
 import operator
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -67,6 +68,9 @@ def may_write(node: fx.Node) -> bool:
     ...)."""
     if node.op not in ("call_method", "call_function"):
         return False
+    schema = _schema_of(node.target)
+    if schema is not None:  # torch.ops.aten.mul_.Scalar, a custom op: its schema says (its
+        return schema.is_mutable  # name, "Scalar" or "default", would not)
     if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or _inplace_flag(node):
         return True
     name = op_name(node)
@@ -77,10 +81,30 @@ def may_write(node: fx.Node) -> bool:
 
 def written(node: fx.Node) -> list:
     """The values an op that may write (may_write) writes into: its `out=` tensor(s), else its
-    first argument (a list of tensors for torch._foreach_*_)."""
+    first argument (a list of tensors for torch._foreach_*_); for an op with a schema, the
+    arguments it marks written."""
+    schema = _schema_of(node.target)
+    if schema is not None:
+        values = [node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
+                  for i, a in enumerate(schema.arguments)
+                  if a.alias_info is not None and a.alias_info.is_write]
+        targets = [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v])]
+        return [t for t in targets if isinstance(t, fx.Node)]
     target = node.kwargs.get("out", node.args[0] if node.args else None)
     targets = list(target) if isinstance(target, (list, tuple)) else [target]
     return [t for t in targets if isinstance(t, fx.Node)]  # a constant holds no graph memory
+
+
+def _schema_of(target):
+    """The schema of an op overload (torch.ops.ns.op.overload); for an overload packet
+    (torch.ops.ns.op), its mutable overload's if it has one, else its first's; else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, name)._schema for name in target.overloads()]
+        mutable = [x for x in schemas if x.is_mutable]
+        return (mutable or schemas or [None])[0]
+    return None
 
 
 def _inplace_flag(node: fx.Node) -> bool:

@@ -33,6 +33,12 @@ def _mask(kind, input_pos, s, dtype):
     return _mask_in_place(kind, input_pos[0], s, dtype)
 
 
+@torch.library.custom_op("dualkv_test::keep_band", mutates_args=("m",))
+def _keep_band(m: torch.Tensor, width: int) -> None:
+    i = torch.arange(m.shape[-1], device=m.device)
+    m.logical_and_((i[:, None] - i[None, :]) < width)
+
+
 def _mask_in_place(kind, i, s, dtype):
     """A causal [s, s] mask for the positions i [s] made non-causal by an in-place statement."""
     if kind == "setitem_from_arange":
@@ -50,6 +56,10 @@ def _mask_in_place(kind, i, s, dtype):
         m.fill_diagonal_(True)
     elif kind == "setitem_from_arange":
         m[1:, 0] = False  # later queries stop seeing the first key
+    elif kind == "window_by_aten_overload":  # its name is "default": once read as no write
+        torch.ops.aten.logical_and_.default(m, d < 3)
+    elif kind == "window_by_custom_op":  # a user kernel declared to write its argument
+        _keep_band(m, 3)
     elif kind == "alibi_in_place":
         m = torch.where(m, 0.0, float("-inf")).to(dtype)
         m.add_(-0.5 * d.to(dtype))
@@ -117,7 +127,9 @@ def test_a_mask_that_is_not_causal_is_refused(kind):
                                       ("setitem_from_arange", "setitem"),
                                       ("alibi_in_place", "add_"),
                                       ("ancestor_in_place", "abs_"),
-                                      ("window_by_dunder", "__iand__")])
+                                      ("window_by_dunder", "__iand__"),
+                                      ("window_by_aten_overload", "default"),
+                                      ("window_by_custom_op", "default")])
 def test_a_mask_written_in_place_is_refused(kind, op):
     with pytest.raises(Refusal, match=rf"mask written in place \({op} at "):
         _run(kind)
