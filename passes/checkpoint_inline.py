@@ -38,6 +38,11 @@ def _is_checkpoint(node: fx.Node) -> bool:
             and node.target is torch.ops.higher_order.tag_activation_checkpoint)
 
 
+# checkpoint arguments that change no value of an inlined region: how it replays (the RNG state
+# matters only for dropout, which the locality proof refuses), and its own debugging checks
+_NEUTRAL_KWARGS = {"use_reentrant", "preserve_rng_state", "determinism_check", "debug"}
+
+
 def inline_checkpoints(gm: fx.GraphModule) -> int:
     """Inline every checkpointed region of `gm` in place; returns how many were inlined."""
     graph = gm.graph
@@ -55,9 +60,13 @@ def inline_checkpoints(gm: fx.GraphModule) -> int:
             )
         region = next(_region_ids)
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(inputs) or node.kwargs.keys() - {"use_reentrant"}:
-            raise Refusal(f"checkpoint at {source_line(node)} has {len(inputs)} inputs and "
-                          f"kwargs {sorted(node.kwargs)}; its body takes {len(placeholders)}")
+        if len(placeholders) != len(inputs):
+            raise Refusal(f"checkpoint at {source_line(node)} has {len(inputs)} inputs; its "
+                          f"body takes {len(placeholders)}")
+        unknown = node.kwargs.keys() - _NEUTRAL_KWARGS
+        if unknown:
+            raise Refusal(f"checkpoint at {source_line(node)} passes {sorted(unknown)}, which "
+                          f"the inlined region cannot honour (it takes {sorted(_NEUTRAL_KWARGS)})")
         env = dict(zip(placeholders, inputs))
         with graph.inserting_before(node):
             for inner in body.graph.nodes:

@@ -97,6 +97,13 @@ def test_checkpointed_layers_are_exact_and_recompute_all_but_attention(family):
     assert_attention_not_recomputed(backward)
 
 
+def test_checkpoint_arguments_that_change_no_value_are_taken():
+    # preserve_rng_state=False was refused as "has 13 inputs ...; its body takes 13"
+    logprob_grads(checkpointed("hf_qwen3", preserve_rng_state=False, determinism_check="none"),
+                  dk.DualKVConfig(backend="aot_eager"))
+    assert dk.counters["checkpoints_inlined"] == 2
+
+
 def test_checkpointed_layers_with_the_regions_backend_save_its_inputs():
     config = dk.DualKVConfig(backend="aot_eager", attention_backend="regions")
     forward, backward = logprob_grads(checkpointed("hf_qwen3"), config)
