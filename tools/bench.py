@@ -61,10 +61,16 @@ def run(name: str, argv: list[str], prog: str | None = None) -> None:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if argv else 2)
-    run(argv[0], argv[1:], prog=f"python -m dualkv_compile.tools.bench {argv[0]}")
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0 if argv else 2)
+        run(argv[0], argv[1:], prog=f"python -m dualkv_compile.tools.bench {argv[0]}")
+    except BrokenPipeError:  # `... | head`: the reader left; end quietly, as the dualkv CLI
+        from .cli import _drop_stdout
+
+        _drop_stdout()
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

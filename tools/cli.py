@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens")
     pln.add_argument("-R", "--response-len", dest="R", type=int, required=True,
                      help="response tokens")
-    pln.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+    pln.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                      help="GPU memory in GiB: report how many groups fit a micro-batch")
     pln.add_argument("--state-bytes", type=positive_int, default=12,
                      help="training-state bytes per parameter (default 12)")

@@ -249,6 +249,19 @@ def test_a_closed_pipe_or_an_interrupt_ends_quietly(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "dualkv plan: interrupted"
 
 
+def test_the_bench_module_entry_ends_quietly_on_a_closed_pipe(monkeypatch, capsys):
+    # `python -m dualkv_compile.tools.bench --help | head -3` printed a BrokenPipeError traceback
+    from dualkv_compile.tools import bench
+
+    def closed(*args, **kwargs):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(bench, "print", closed, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 1 and capsys.readouterr().err == ""
+
+
 def test_an_interrupt_python_drops_still_ends_the_command_as_interrupted(monkeypatch, capsys):
     # a KeyboardInterrupt raised inside a __del__ (as one was while transformers imported) is
     # dropped by Python: the command ran to its end and exited 0
