@@ -87,6 +87,14 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+# ops that reduce over many positions, which make a mask depend on more than (q_pos, k_pos)
+# (not scans: transformers finds packed sequences by a cumsum over position steps, which is
+# no change for a row whose positions run 0..L-1)
+_MASK_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "any", "all", "prod",
+                    "logsumexp", "std", "var", "norm", "argmax", "argmin", "topk", "median",
+                    "count_nonzero", "unique"}
+
+
 def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None:
     """A model-built mask is accepted only if it derives from positions and shapes alone, and
     is causal: evaluated for one row whose positions are 0..T-1, it must let each query see
@@ -101,6 +109,15 @@ def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None
             f"attention at {source_line(node)} uses a mask computed from "
             f"{[a.name for a in bad]}, not from positions alone; only causal attention can be "
             f"rewritten to the shared-prefix layout"
+        )
+    reducing = [a for a in needed if a.op in ("call_function", "call_method")
+                and op_name(a) in _MASK_REDUCTIONS]
+    if reducing:  # the check evaluates one row, of length T: such a mask depends on the row
+        raise Refusal(
+            f"attention at {source_line(node)} uses a mask that reduces over positions "
+            f"({op_name(reducing[0])} at {source_line(reducing[0])}); a mask must be a "
+            f"function of each query's and key's position alone (a row's length or largest "
+            f"position would differ between the packed batch and each row)"
         )
     writer = _writer_into(mask.graph, needed)
     if writer is not None:

@@ -30,6 +30,8 @@ def _mask(kind, input_pos, s, dtype):
         return torch.where(d >= 0, -0.5 * d.to(dtype), float("-inf"))[:, None]
     if kind == "bidirectional":
         return torch.ones(s, s, dtype=torch.bool)
+    if kind == "bidirectional_for_short_rows":  # causal for the packed T, not for a row
+        return ((d >= 0) | (input_pos.amax() < 100))[:, None]
     return _mask_in_place(kind, input_pos[0], s, dtype)
 
 
@@ -160,3 +162,10 @@ def test_past_the_check_length_an_unchecked_mask_is_logged(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         _run("causal")
     assert "is not checked for causality at T=128" in caplog.text
+
+
+def test_a_mask_that_reduces_over_positions_is_refused():
+    # evaluated for one row of the packed length it was causal, and rewritten: each row of
+    # under 100 positions was bidirectional in the plain model (logprobs off by 0.645)
+    with pytest.raises(Refusal, match=r"mask that reduces over positions \(amax at "):
+        _run("bidirectional_for_short_rows")
