@@ -210,8 +210,15 @@ def _elementwise_forms(x):  # each refused: "no locality rule for this op"
     return y + torch.matmul(input=x, other=_SQUARE)  # (by keyword: an IndexError refusal)
 
 
+def _table_written_by_an_aten_overload(x):  # the position-tables pass copied the table
+    m = torch.eye(x.shape[-1], dtype=x.dtype)  # before the write (read as none: op "Scalar")
+    alias = m.to(m.dtype)
+    torch.ops.aten.mul_.Scalar(m, 2.0)
+    return x @ alias
+
+
 @pytest.mark.parametrize("mix", [_cast_like_a_weight, _whole_sequence_slice, _keyword_only_norm,
-                                 _elementwise_forms],
+                                 _elementwise_forms, _table_written_by_an_aten_overload],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_token_local_forms_once_refused_are_kept_exact(mix):
     assert_exact(mix)
