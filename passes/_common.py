@@ -70,7 +70,7 @@ def may_write(node: fx.Node) -> bool:
         return False
     schema = _schema_of(node.target)
     if schema is not None:  # torch.ops.aten.mul_.Scalar, a custom op: its schema says (its
-        return schema.is_mutable  # name, "Scalar" or "default", would not)
+        return schema.is_mutable or "out" in node.kwargs  # name, "Scalar", would not)
     if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or _inplace_flag(node):
         return True
     name = op_name(node)
@@ -84,8 +84,9 @@ def written(node: fx.Node) -> list:
     first argument (a list of tensors for torch._foreach_*_); for an op with a schema, the
     arguments it marks written."""
     schema = _schema_of(node.target)
-    if schema is not None:
-        values = [node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
+    if schema is not None and "out" not in node.kwargs:
+        values = [node.kwargs[a.name] if a.kwarg_only or a.name in node.kwargs else
+                  node.args[i] if i < len(node.args) else None
                   for i, a in enumerate(schema.arguments)
                   if a.alias_info is not None and a.alias_info.is_write]
         targets = [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v])]
@@ -97,13 +98,13 @@ def written(node: fx.Node) -> list:
 
 def _schema_of(target):
     """The schema of an op overload (torch.ops.ns.op.overload); for an overload packet
-    (torch.ops.ns.op), its mutable overload's if it has one, else its first's; else None."""
+    (torch.ops.ns.op), its first overload's (aten.mul: Tensor, pure; aten.mul_: Tensor,
+    mutable; not its out= overload, whose write an `out` keyword shows); else None."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema
     if isinstance(target, torch._ops.OpOverloadPacket):
-        schemas = [getattr(target, name)._schema for name in target.overloads()]
-        mutable = [x for x in schemas if x.is_mutable]
-        return (mutable or schemas or [None])[0]
+        names = target.overloads()
+        return getattr(target, names[0])._schema if names else None
     return None
 
 

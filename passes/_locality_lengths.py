@@ -16,13 +16,19 @@ __all__ = ["LengthRules"]
 _RESIZES = {"getitem", "narrow", "expand", "expand_as", "broadcast_to", "repeat", "tile",
             "repeat_interleave", "pad", "constant_pad_nd", "as_strided", "index_select",
             "new_ones", "new_zeros", "new_full", "new_empty", "view", "reshape", "unflatten"}
-# ops whose output is a view of their first argument (a write into it writes into that)
-_VIEW_OF_FIRST = {"getitem", "narrow", "view", "reshape", "unflatten", "expand", "select",
-                  "slice", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "t"}
+# of those, the views: a table the model holds viewed with an axis of T has it by chance (a
+# fused [2I, D] weight as [2, I, D]); a cut of one viewed so (table[:2T].view(2, T)) is one
+_VIEW_RESIZES = {"view", "reshape", "unflatten"}
 _SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unbind"}
-# ops that keep every value of their input, in place (a prefix cut stays one through them)
-_CONVERSIONS = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous",
-                "clone", "detach"}
+# ops whose output is a view of their first argument (a write into it writes into that)
+_VIEW_OF_FIRST = _SPLITS | _VIEW_RESIZES | {
+    "getitem", "narrow", "expand", "expand_as", "select", "slice", "transpose", "permute",
+    "unsqueeze", "squeeze", "flatten", "t", "view_as", "reshape_as", "diagonal", "as_strided",
+    "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "alias", "getattr"}
+# ops that keep every value of their input at its index along the T axis (a prefix cut, or a
+# whole table, stays one through them)
+_KEEPS_INDEX = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous",
+                "clone", "detach", "squeeze", "unsqueeze"}
 
 
 def _from_the_start(idx) -> bool:
@@ -47,9 +53,10 @@ class LengthRules:
         """Follow the tensors without tokens that have an axis of the packed length T made from
         it: built in the graph from no input (arange(T), ones(D, T)), cut or widened to T by
         indexing, splitting, padding, repeating or expanding (pos_table[:T], c.expand(T)), and
-        what is computed from those keeping such an axis (arange(T) * alpha). Not a tensor computed from weights or buffers
-        alone, which may have that size by chance: RoPE's inv_freq at head dim 256, a LoRA
-        product, DoRA's scale."""
+        what is computed from those keeping such an axis (arange(T) * alpha), or not
+        (arange(T).mean()). Not a tensor computed from weights or buffers alone, which may
+        have that size by chance: RoPE's inv_freq at head dim 256, a LoRA product, DoRA's
+        scale."""
         out = example(node)
         if self.t <= 1 or node.op not in ("call_function", "call_method"):
             return
@@ -69,7 +76,8 @@ class LengthRules:
         if (all(i in self.built_from_nothing for i in inputs)
                 or any(i in self.length_axis for i in inputs)
                 or (op_name(node) in _RESIZES and isinstance(src, Tensor)
-                    and list(out.shape).count(self.t) > list(src.shape).count(self.t))):
+                    and list(out.shape).count(self.t) > list(src.shape).count(self.t)
+                    and not (op_name(node) in _VIEW_RESIZES and self._whole_table(first)))):
             self.length_axis.add(node)
             self._note_prefix_cut(node, first)
 
@@ -95,11 +103,15 @@ class LengthRules:
         gives what the row's own cut gives. `first`: node's input (a split piece's: the split's)."""
         name = op_name(node)
         src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if src is not None and src in self.prefix_cuts:
-            if name in _CONVERSIONS:
+        if src is not None and src in self.prefix_cuts:  # a cast, or a cut from the start, of one
+            if name in _KEEPS_INDEX or (name == "getitem" and len(node.args) > 1
+                                        and _from_the_start(node.args[1])):
                 self.prefix_cuts.add(node)
             return
-        if first is None or first in self.length_axis or first in self.built_from_nothing:
+        if name == "arange" and self._whole_table(node):  # arange(T): index i holds i
+            self.prefix_cuts.add(node)
+            return
+        if first is None or not self._whole_table(first):
             return
         if name == "getitem" and op_name(src) in _SPLITS:  # a piece of split(...): the first
             cut = len(node.args) > 1 and type(node.args[1]) is int and node.args[1] == 0
@@ -109,6 +121,25 @@ class LengthRules:
             cut = name == "narrow" and arg_of(node, 2, "start") == 0
         if cut:
             self.prefix_cuts.add(node)
+
+    def _whole_table(self, node) -> bool:
+        """A tensor whose value at each index does not depend on T: a table the model holds
+        (an input, a buffer, a weight; not one written in place with a value made from T),
+        arange from 0 by 1, and casts or (un)squeezes of those (not table[T:], a roll, a
+        linspace: table[T:][:T] is no cut from the table's start)."""
+        while isinstance(node, fx.Node):
+            if node.op in ("placeholder", "get_attr"):
+                return node not in self.length_axis
+            name = op_name(node)
+            if name == "arange":
+                args = list(node.args) + [None] * 3
+                start = node.kwargs.get("start", args[0] if len(node.args) > 1 else 0)
+                step = node.kwargs.get("step", args[2] if len(node.args) > 2 else 1)
+                return start == 0 and step == 1
+            if name not in _KEEPS_INDEX or node in self.length_axis - self.prefix_cuts:
+                return False
+            node = node.args[0] if node.args else None
+        return False
 
     def no_table_of_the_length(self, node, table, indices):
         """`table` read at `indices` that carry tokens (a gather by positions): a table of

@@ -95,6 +95,18 @@ _MASK_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "any", "all", "
                     "count_nonzero", "unique"}
 
 
+def _reduces(node: fx.Node) -> bool:
+    """Whether `node` is one of _MASK_REDUCTIONS, an ATen overload's too (aten.amax.default:
+    its name is "default"); max and min only over one tensor (torch.max(a, b) is pointwise)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = getattr(node.target, "_opname", None) or op_name(node)
+    if name in ("max", "min", "maximum", "minimum"):
+        return sum(isinstance(example(a), torch.Tensor) for a in node.all_input_nodes) == 1 \
+            and name in ("max", "min")
+    return name in _MASK_REDUCTIONS
+
+
 def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None:
     """A model-built mask is accepted only if it derives from positions and shapes alone, and
     is causal: evaluated for one row whose positions are 0..T-1, it must let each query see
@@ -110,12 +122,13 @@ def _check_mask_source(mask: fx.Node, positions: fx.Node, node: fx.Node) -> None
             f"{[a.name for a in bad]}, not from positions alone; only causal attention can be "
             f"rewritten to the shared-prefix layout"
         )
-    reducing = [a for a in needed if a.op in ("call_function", "call_method")
-                and op_name(a) in _MASK_REDUCTIONS]
+    reducing = [a for a in needed if _reduces(a)]
     if reducing:  # the check evaluates one row, of length T: such a mask depends on the row
+        where = reducing[0]
         raise Refusal(
             f"attention at {source_line(node)} uses a mask that reduces over positions "
-            f"({op_name(reducing[0])} at {source_line(reducing[0])}); a mask must be a "
+            f"({getattr(where.target, '_opname', None) or op_name(where)} at "
+            f"{source_line(where)}); a mask must be a "
             f"function of each query's and key's position alone (a row's length or largest "
             f"position would differ between the packed batch and each row)"
         )

@@ -292,6 +292,19 @@ def commit_of(path: str, rev: str = "HEAD", *, working_tree: bool = False) -> st
 _command = [None]  # the benchmark's command line, as bench.run was given it
 
 
+def own_checkout(tools_dir: str) -> bool:
+    """Whether `tools_dir` is the tools/ folder at the top of a git checkout (this project's):
+    a wheel installed in another project's .venv lies inside that project's git tree."""
+    try:
+        done = subprocess.run(["git", "-C", tools_dir, "rev-parse", "--show-toplevel"],
+                              capture_output=True, text=True)
+    except OSError:  # no git executable
+        return False
+    top = done.stdout.strip()
+    return done.returncode == 0 and bool(top) and os.path.samefile(top,
+                                                                   os.path.dirname(tools_dir))
+
+
 def set_command(text: str) -> None:
     _command[0] = text
 
@@ -300,7 +313,8 @@ def run_record() -> dict:
     """The command line and the commit of the code that ran, for every result: the package's
     git checkout, else $DUALKV_COMMIT (an installed copy on a GPU machine has no .git)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    commit = (commit_of(here, working_tree=True) or os.environ.get("DUALKV_COMMIT")
+    commit = ((commit_of(here, working_tree=True) if own_checkout(here) else None)
+              or os.environ.get("DUALKV_COMMIT")
               or "unknown (not a git checkout and DUALKV_COMMIT unset)")
     return {"command": _command[0] or shlex.join(sys.argv), "commit": commit}
 

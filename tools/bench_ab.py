@@ -26,9 +26,9 @@ import tarfile
 import torch
 
 from dualkv_compile.attention.registry import KERNELS
-from dualkv_compile.tools._common import (OneLineParser, commit_of, add_out_argument, add_shapes_argument,
-                                          environment, interleaved_medians, positive_int,
-                                          save_progress, seed_int, write_results)
+from dualkv_compile.tools._common import (OneLineParser, add_out_argument, add_shapes_argument,
+                                          commit_of, environment, interleaved_medians,
+                                          positive_int, save_progress, seed_int, write_results)
 
 OTHER = "dualkv_other"
 COMMIT_FILE = "PREPARED_FROM_COMMIT"

@@ -79,8 +79,8 @@ def stop_ids(stop_tokens, vocab: int | None = None) -> tuple[int, ...]:
         return ()
     if isinstance(stop_tokens, Mapping):  # iterating one gives its keys: {7: "eos"} read as 7
         raise ValueError(f"stop_tokens={stop_tokens!r} is a {type(stop_tokens).__name__}, not a "
-                         "token id or ids: pass the ids themselves (e.g. list(its keys) where the ids are "
-                         "its keys)")
+                         "token id or ids: pass the ids themselves (e.g. list(its keys) where "
+                         "the ids are its keys)")
     if (as_index(stop_tokens) is not None or not hasattr(stop_tokens, "__iter__")
             or getattr(stop_tokens, "ndim", None) == 0):  # a 0-dim tensor or array: one value
         given = [stop_tokens]  # one id, or something that is not an id (refused below)

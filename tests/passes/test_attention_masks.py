@@ -32,6 +32,10 @@ def _mask(kind, input_pos, s, dtype):
         return torch.ones(s, s, dtype=torch.bool)
     if kind == "bidirectional_for_short_rows":  # causal for the packed T, not for a row
         return ((d >= 0) | (input_pos.amax() < 100))[:, None]
+    if kind == "bidirectional_for_short_rows_by_aten":  # its op's name is "default"
+        return ((d >= 0) | (torch.ops.aten.amax.default(input_pos, [-1]) < 100)[:, None])[:, None]
+    if kind == "causal_by_elementwise_max":  # torch.max(a, b) is pointwise: no reduction
+        return (torch.max(d, torch.zeros_like(d)) == d)[:, None]
     return _mask_in_place(kind, input_pos[0], s, dtype)
 
 
@@ -164,8 +168,16 @@ def test_past_the_check_length_an_unchecked_mask_is_logged(monkeypatch, caplog):
     assert "is not checked for causality at T=128" in caplog.text
 
 
-def test_a_mask_that_reduces_over_positions_is_refused():
+@pytest.mark.parametrize("kind", ["bidirectional_for_short_rows",
+                                  "bidirectional_for_short_rows_by_aten"])
+def test_a_mask_that_reduces_over_positions_is_refused(kind):
     # evaluated for one row of the packed length it was causal, and rewritten: each row of
     # under 100 positions was bidirectional in the plain model (logprobs off by 0.645)
     with pytest.raises(Refusal, match=r"mask that reduces over positions \(amax at "):
-        _run("bidirectional_for_short_rows")
+        _run(kind)
+
+
+def test_a_causal_mask_through_an_elementwise_max_is_rewritten():
+    ours, plain = _run("causal_by_elementwise_max")
+    assert dk.counters["attention_rewritten"] == 2
+    assert float((ours - plain).abs().max()) < 1e-10

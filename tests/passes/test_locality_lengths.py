@@ -105,12 +105,28 @@ def _sum_of_a_cut(x):
     return x * (1 + 0.1 * _TABLE[:x.shape[1]].sum())
 
 
+def _split_piece_written_in_place(x):  # the write reaches the table through a split piece
+    table = _TABLE.clone()
+    table.split(x.shape[1])[0].copy_(torch.linspace(0, 1, x.shape[1], dtype=x.dtype))
+    return _read(x, table)
+
+
+def _cut_after_an_offset_cut(x):  # table[T:][:T] is table[T:2T]
+    return _read(x, _TABLE[x.shape[1]:][:x.shape[1]])
+
+
+def _cut_of_a_roll(x):
+    return _read(x, _TABLE.roll(-x.shape[1])[:x.shape[1]])
+
+
 @pytest.mark.parametrize("mix", [_linspace_read_at_token_positions,
                                  _arange_index_into_the_features, _second_split_piece,
                                  _embedding_of_a_length_table, _table_written_in_place,
                                  _cut_multiplied_in_place, _cut_of_a_table_built_from_the_length,
                                  _row_of_a_reshaped_table, _mean_of_arange,
-                                 _one_entry_of_linspace, _sum_of_a_cut],
+                                 _one_entry_of_linspace, _sum_of_a_cut,
+                                 _split_piece_written_in_place, _cut_after_an_offset_cut,
+                                 _cut_of_a_roll],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_a_table_or_index_of_the_packed_length_read_by_indexing_is_refused(mix):
     # indexing was not checked: logprobs off by 0.3 and 19.6 without a refusal; then, with
@@ -138,10 +154,32 @@ def _narrowed_by_keyword_read_at_token_positions(x):
     return _read(x, _TABLE.narrow(0, start=0, length=x.shape[1]))
 
 
+_CACHE = _TABLE.view(1, 1, 512, 1)
+
+
+def _squeezed_cut_read_at_token_positions(x):  # transformers 4.3x's rotary cache read
+    return _read(x, _CACHE[:, :, :x.shape[1], ...].to(x.dtype).squeeze(1).squeeze(0)[:, 0])
+
+
+def _arange_read_at_token_positions(x):  # arange(T)[i] is i
+    return x * (1 + 0.1 * torch.arange(x.shape[1], dtype=x.dtype)[_pos(x)][..., None])
+
+
+_FUSED = torch.randn(256, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+
+def _fused_weight_viewed_with_an_axis_of_t(x):  # [2 * 128, D] as [2, 128, D]: by chance
+    w = _FUSED.view(2, 128, 32)
+    return x + 0.01 * (torch.nn.functional.linear(x, w[0]) @ w[1])
+
+
 @pytest.mark.parametrize("mix", [_table_cut_read_at_token_positions,
                                  _narrowed_table_read_at_token_positions,
                                  _first_split_piece_read_at_token_positions,
-                                 _narrowed_by_keyword_read_at_token_positions],
+                                 _narrowed_by_keyword_read_at_token_positions,
+                                 _squeezed_cut_read_at_token_positions,
+                                 _arange_read_at_token_positions,
+                                 _fused_weight_viewed_with_an_axis_of_t],
                          ids=lambda f: f.__name__.lstrip("_"))
 def test_a_table_cut_to_the_length_and_read_at_token_positions_is_kept_exact(mix):
     assert_exact(mix)

@@ -180,3 +180,22 @@ def _error_with(change) -> float:
         ours = dk.optimize(model).response_logprobs(tokens, prompt_len=p, padding_mask=mask)
         theirs = row_by_row_response_logprobs(model, tokens, mask, p)
     return float((ours - theirs).abs().max())
+
+
+def test_may_write_reads_op_schemas_and_not_a_packets_out_overload():
+    # an ATen overload's name ("Scalar") once read as no write; then every packet, such as
+    # the pure aten.mul, read as one through its out= overload
+    import torch.fx as fx
+
+    from dualkv_compile.passes._common import may_write, written
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    pure = graph.call_function(torch.ops.aten.mul, (x, 2.0))
+    packet_write = graph.call_function(torch.ops.aten.mul_, (x, 2.0))
+    overload_write = graph.call_function(torch.ops.aten.mul_.Scalar, (x, 2.0))
+    out_write = graph.call_function(torch.ops.aten.mul, (x, 2.0), {"out": pure})
+    assert not may_write(pure)
+    assert may_write(packet_write) and written(packet_write) == [x]
+    assert may_write(overload_write) and written(overload_write) == [x]
+    assert may_write(out_write) and written(out_write) == [pure]

@@ -265,3 +265,18 @@ def test_tune_kernel_options_arguments(argv, message, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         tune_kernel_options.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_wheel_inside_another_projects_git_tree_records_no_commit_of_it(tmp_path):
+    # commit_of took any enclosing checkout: a wheel in a project's .venv recorded that
+    # project's commit (and ignored DUALKV_COMMIT)
+    import subprocess
+
+    from dualkv_compile.tools._common import own_checkout
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    installed = tmp_path / ".venv" / "lib" / "dualkv_compile" / "tools"
+    installed.mkdir(parents=True)
+    (tmp_path / "tools").mkdir()
+    assert not own_checkout(str(installed)) and own_checkout(str(tmp_path / "tools"))
+    assert not own_checkout(str(tmp_path.parent))  # outside any checkout
